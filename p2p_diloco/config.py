@@ -1,0 +1,204 @@
+"""Typed, validated configuration of a learning unit: TOML file + command-line overrides.
+
+Every field has one name used everywhere: in TOML (inside its section, e.g. ``[outer] outer_lr = 0.7``)
+and on the command line (``--outer-lr 0.7``). Invalid values raise :class:`ConfigError` with one line that
+names the field, so the CLI can print it and exit non-zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tomllib
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message is one line meant for the user."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelSection(_Section):
+    model: str | None = Field(None, description="Hugging Face hub name or local directory of a pretrained causal LM")
+    model_config_path: str | None = Field(
+        None,
+        description="pre-train from this config (hub name, directory or config.json) instead of weights",
+        json_schema_extra={"flag": "--model-config"},
+    )
+    tokenizer: str | None = Field(None, description="tokenizer hub name or directory (default: same as the model)")
+    gguf_file: str | None = Field(None, description="load weights from this GGUF file inside --model")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="dtype of the trained weights")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto picks CUDA when present")
+    seed: int = Field(0, description="seed of the initial weights (identical on every peer) and of data order")
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "ModelSection":
+        if (self.model is None) == (self.model_config_path is None):
+            raise ValueError("give exactly one of --model (pretrained weights) or --model-config (pre-train)")
+        return self
+
+
+class DataSection(_Section):
+    dataset: str = Field(..., description="hub dataset name (streamed) or local text/json/jsonl/parquet files/dir")
+    dataset_config: str | None = Field(None, description="hub dataset configuration name")
+    text_column: str = Field("text", description="column holding the raw text")
+    seq_len: int = Field(128, ge=8, le=65536, description="tokens per packed training sequence")
+    batch_size: int = Field(8, ge=1, description="sequences per micro-batch")
+    eval_fraction: float = Field(0.02, gt=0.0, lt=0.5, description="fraction of documents held out for eval")
+    eval_batches: int = Field(8, ge=1, description="batches in one held-out evaluation")
+
+
+class InnerSection(_Section):
+    inner_lr: float = Field(1e-3, gt=0.0, le=1.0, description="AdamW peak learning rate")
+    weight_decay: float = Field(0.1, ge=0.0, le=1.0)
+    warmup_steps: int = Field(20, ge=0, description="linear warm-up inner steps")
+    decay_steps: int = Field(10_000, ge=1, description="cosine decay length in inner steps (then held at 10%)")
+    grad_clip: float = Field(1.0, gt=0.0, description="max global gradient norm")
+    grad_accum: int = Field(1, ge=1, le=1024, description="micro-batches accumulated per inner step")
+
+
+class OuterSection(_Section):
+    inner_steps: int = Field(20, ge=1, description="H: inner steps between two outer rounds")
+    outer_lr: float = Field(0.7, gt=0.0, le=10.0)
+    outer_momentum: float = Field(0.9, ge=0.0, lt=1.0)
+    nesterov: bool = True
+    quorum: int = Field(1, ge=1, description="K: smallest group whose average is accepted (1 = never wait)")
+    target_group_size: int = Field(8, ge=1, le=256, description="a group stops recruiting at this size")
+    grace_steps: float = Field(4.0, gt=0.0, description="matchmaking window, in measured inner-step times")
+    min_grace_s: float = Field(2.0, gt=0.0, description="lower bound of the matchmaking window (seconds)")
+    max_grace_s: float = Field(30.0, gt=0.0, description="upper bound of the matchmaking window (seconds)")
+    allreduce_timeout_s: float = Field(30.0, gt=0.0, description="bound on one all-reduce once a group formed")
+    sync_momentum: bool = Field(True, description="average the outer momentum with the parameters (2x bytes)")
+
+    @model_validator(mode="after")
+    def _grace_bounds(self) -> "OuterSection":
+        if self.min_grace_s > self.max_grace_s:
+            raise ValueError("min_grace_s must not exceed max_grace_s")
+        if self.quorum > self.target_group_size:
+            raise ValueError("quorum must not exceed target_group_size")
+        return self
+
+
+class NetworkSection(_Section):
+    run_id: str = Field("p2p-diloco", description="swarm namespace: peers with the same run id train together")
+    initial_peers: list[str] = Field(default_factory=list, description="multiaddrs of any live swarm member")
+    host_maddrs: list[str] = Field(default_factory=lambda: ["/ip4/127.0.0.1/tcp/0"], description="listen addresses")
+    announce_maddrs: list[str] = Field(default_factory=list, description="addresses announced to other peers")
+    identity_path: str | None = Field(None, description="private key file: a stable peer id across restarts")
+    join_timeout_s: float = Field(30.0, gt=0.0, description="give up reaching the initial peers after this long")
+
+    @field_validator("run_id")
+    @classmethod
+    def _run_id_charset(cls, value: str) -> str:
+        if not value or not all(ch.isalnum() or ch in "-_" for ch in value) or len(value) > 64:
+            raise ValueError("run_id must be 1-64 characters of letters, digits, '-' or '_'")
+        return value
+
+
+class RunSection(_Section):
+    max_steps: int | None = Field(None, ge=1, description="stop after this many inner steps of this peer")
+    max_time_s: float | None = Field(None, gt=0.0, description="stop after this many seconds of training")
+    work_dir: str = Field("runs/peer", description="checkpoints, metrics.jsonl and logs of this peer")
+    save_dir: str | None = Field(None, description="export the consensus model here (save_pretrained) on exit")
+    checkpoint_every_rounds: int = Field(5, ge=1, description="write a local checkpoint every N outer rounds")
+    eval_every_rounds: int = Field(1, ge=1, description="evaluate the consensus model every N outer rounds")
+    progress: bool = Field(True, description="show console progress bars")
+    threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's choice)")
+
+
+class PeerConfig(_Section):
+    """Full configuration of one learning unit."""
+
+    model: ModelSection
+    data: DataSection
+    inner: InnerSection = InnerSection()
+    outer: OuterSection = OuterSection()
+    network: NetworkSection = NetworkSection()
+    run: RunSection = RunSection()
+
+
+SECTIONS: dict[str, type[_Section]] = {
+    "model": ModelSection,
+    "data": DataSection,
+    "inner": InnerSection,
+    "outer": OuterSection,
+    "network": NetworkSection,
+    "run": RunSection,
+}
+
+
+def _flag(field_name: str) -> str:
+    for section in SECTIONS.values():
+        field = section.model_fields.get(field_name)
+        if field is not None and isinstance(field.json_schema_extra, dict) and "flag" in field.json_schema_extra:
+            return str(field.json_schema_extra["flag"])
+    return "--" + field_name.replace("_", "-")
+
+
+def _is_list(annotation: Any) -> bool:
+    return typing.get_origin(annotation) is list
+
+
+def _is_bool(annotation: Any) -> bool:
+    return annotation is bool
+
+
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add ``--config FILE`` and one ``--field-name`` flag per config field (all defaulting to "not given")."""
+    parser.add_argument("--config", type=Path, help="TOML file with [model], [data], [inner], [outer], ... sections")
+    for section_name, section in SECTIONS.items():
+        group = parser.add_argument_group(section_name)
+        for name, field in section.model_fields.items():
+            kwargs: dict[str, Any] = dict(dest=f"{section_name}.{name}", default=argparse.SUPPRESS, help=field.description)
+            if _is_bool(field.annotation):
+                kwargs["action"] = argparse.BooleanOptionalAction
+            elif _is_list(field.annotation):
+                kwargs["nargs"] = "*"
+            group.add_argument(_flag(name), **kwargs)
+
+
+def load_config(args: argparse.Namespace | None = None, toml_path: Path | None = None, **overrides: Any) -> PeerConfig:
+    """Build a validated config from a TOML file, parsed CLI flags and keyword overrides (in increasing priority).
+
+    ``overrides`` use ``section__field`` keys, e.g. ``outer__inner_steps=10``. Raises :class:`ConfigError`.
+    """
+    raw: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+    cli = vars(args) if args is not None else {}
+    toml_path = toml_path or cli.get("config")
+    if toml_path is not None:
+        try:
+            loaded = tomllib.loads(Path(toml_path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {toml_path}") from None
+        except tomllib.TOMLDecodeError as error:
+            raise ConfigError(f"config file {toml_path} is not valid TOML: {error}") from None
+        for section_name, values in loaded.items():
+            if section_name not in SECTIONS or not isinstance(values, dict):
+                raise ConfigError(f"config file {toml_path}: unknown section [{section_name}]")
+            raw[section_name].update(values)
+    for key, value in cli.items():
+        if "." in key:
+            section_name, field_name = key.split(".", 1)
+            raw[section_name][field_name] = value
+    for key, value in overrides.items():
+        section_name, field_name = key.split("__", 1)
+        raw[section_name][field_name] = value
+    try:
+        return PeerConfig(**{name: values for name, values in raw.items() if values or name in ("model", "data")})
+    except ValidationError as error:
+        first = error.errors()[0]
+        location = ".".join(str(part) for part in first["loc"])
+        field_name = str(first["loc"][-1]) if first["loc"] else ""
+        flag = f" ({_flag(field_name)})" if field_name in _all_field_names() else ""
+        message = first["msg"].removeprefix("Value error, ")
+        raise ConfigError(f"invalid config {location}{flag}: {message}") from None
+
+
+def _all_field_names() -> set[str]:
+    return {name for section in SECTIONS.values() for name in section.model_fields}

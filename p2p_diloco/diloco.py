@@ -1,0 +1,110 @@
+"""The decoupled DiLoCo algorithm as pure functions on lists of tensors (imports torch only).
+
+Vocabulary: θ = a learning unit's local parameters (trained by the inner optimizer), φ = its copy of the
+global parameters (last consensus), m = outer momentum, Δ = φ − θ = pseudo-gradient.
+
+How a round is averaged without a coordinator. Each unit computes its *proposal*, the outer step it would
+take on its own pseudo-gradient, ``(φ', m') = outer_step(φ, m, Δ_i)``, and the group averages the proposals
+(weighted by tokens processed since the last round). The Nesterov outer step is affine in (φ, m, Δ), so
+when the group members start from the same φ and m the averaged proposal equals the outer step on the
+averaged pseudo-gradient, exactly (tested against ``torch.optim.SGD``). When they do not (after a group
+split, a partial all-reduce or a late join), averaging proposals also averages φ and m: every round pulls
+the members' global parameters back together, which is the consensus mechanism of the swarm.
+
+Overlap: the average of a round arrives τ inner steps after the unit sent its proposal, and the unit went
+on training meanwhile. :func:`merge_local_progress` keeps those τ steps: θ ← φ_new + (θ_now − θ_sent).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+Tensors = list[torch.Tensor]
+
+
+@dataclass(frozen=True)
+class OuterHyperparams:
+    lr: float = 0.7
+    momentum: float = 0.9
+    nesterov: bool = True
+
+
+def pseudo_gradient(global_params: Sequence[torch.Tensor], local_params: Sequence[torch.Tensor]) -> Tensors:
+    """Δ = φ − θ, computed in fp32 on φ's device. Raises ValueError if the two lists do not match."""
+    _check_same_shapes(global_params, local_params)
+    return [phi - theta.detach().to(device=phi.device, dtype=phi.dtype) for phi, theta in zip(global_params, local_params)]
+
+
+def outer_step(
+    global_params: Sequence[torch.Tensor],
+    momentum: Sequence[torch.Tensor],
+    pseudo_grad: Sequence[torch.Tensor],
+    hyper: OuterHyperparams,
+) -> tuple[Tensors, Tensors]:
+    """One SGD step (PyTorch's convention, Nesterov optional) on φ with gradient Δ; returns new (φ, m).
+
+    m' = μ·m + Δ;  φ' = φ − lr·(Δ + μ·m') with Nesterov, φ' = φ − lr·m' without.
+    Inputs are not modified.
+    """
+    _check_same_shapes(global_params, momentum)
+    _check_same_shapes(global_params, pseudo_grad)
+    new_momentum = [hyper.momentum * m + g for m, g in zip(momentum, pseudo_grad)]
+    if hyper.nesterov:
+        updates = [g + hyper.momentum * m for g, m in zip(pseudo_grad, new_momentum)]
+    else:
+        updates = new_momentum
+    new_params = [phi - hyper.lr * update for phi, update in zip(global_params, updates)]
+    return new_params, new_momentum
+
+
+def weighted_average(proposals: Sequence[Sequence[torch.Tensor]], weights: Sequence[float]) -> Tensors:
+    """Reference weighted mean of several units' tensor lists (what the all-reduce computes).
+
+    Raises ValueError for an empty group, a non-positive total weight or mismatched lists.
+    """
+    if not proposals or len(proposals) != len(weights):
+        raise ValueError("need one weight per proposal and at least one proposal")
+    total = float(sum(weights))
+    if total <= 0 or any(weight < 0 for weight in weights):
+        raise ValueError(f"weights must be non-negative with a positive sum, got {list(weights)}")
+    for other in proposals[1:]:
+        _check_same_shapes(proposals[0], other)
+    return [
+        sum(weight / total * proposal[index] for proposal, weight in zip(proposals, weights))
+        for index in range(len(proposals[0]))
+    ]
+
+
+def merge_local_progress(
+    new_global: Sequence[torch.Tensor], local_now: Sequence[torch.Tensor], local_at_send: Sequence[torch.Tensor]
+) -> Tensors:
+    """New local parameters after a round: θ ← φ_new + (θ_now − θ_sent), in θ's dtype and device.
+
+    With no overlap (θ_now = θ_sent) this is θ ← φ_new, the synchronous DiLoCo rule.
+    """
+    _check_same_shapes(new_global, local_now)
+    _check_same_shapes(new_global, local_at_send)
+    merged = []
+    for phi, now, sent in zip(new_global, local_now, local_at_send):
+        drift = now.detach().to(device=phi.device, dtype=phi.dtype) - sent.to(device=phi.device, dtype=phi.dtype)
+        merged.append((phi + drift).to(device=now.device, dtype=now.dtype))
+    return merged
+
+
+def max_relative_drift(reference: Sequence[torch.Tensor], other: Sequence[torch.Tensor]) -> float:
+    """‖a − b‖ / ‖a‖ over all tensors: how far two units' global parameters are apart."""
+    _check_same_shapes(reference, other)
+    difference = torch.sqrt(sum(((a.double() - b.double()) ** 2).sum() for a, b in zip(reference, other)))
+    norm = torch.sqrt(sum((a.double() ** 2).sum() for a in reference))
+    return float(difference / norm.clamp_min(1e-30))
+
+
+def _check_same_shapes(first: Sequence[torch.Tensor], second: Sequence[torch.Tensor]) -> None:
+    if len(first) != len(second):
+        raise ValueError(f"tensor lists differ in length: {len(first)} vs {len(second)}")
+    for index, (a, b) in enumerate(zip(first, second)):
+        if a.shape != b.shape:
+            raise ValueError(f"tensor {index} differs in shape: {tuple(a.shape)} vs {tuple(b.shape)}")
