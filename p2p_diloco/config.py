@@ -70,9 +70,11 @@ class OuterSection(_Section):
     nesterov: bool = True
     quorum: int = Field(1, ge=1, description="K: smallest group whose average is accepted (1 = never wait)")
     target_group_size: int = Field(8, ge=1, le=256, description="a group stops recruiting at this size")
-    grace_steps: float = Field(4.0, gt=0.0, description="matchmaking window, in measured inner-step times")
-    min_grace_s: float = Field(2.0, gt=0.0, description="lower bound of the matchmaking window (seconds)")
-    max_grace_s: float = Field(30.0, gt=0.0, description="upper bound of the matchmaking window (seconds)")
+    grace_fraction: float = Field(
+        0.5, gt=0.0, le=4.0, description="matchmaking window as a fraction of H measured inner-step times"
+    )
+    min_grace_s: float = Field(1.0, gt=0.0, description="lower bound of the matchmaking window (seconds)")
+    max_grace_s: float = Field(120.0, gt=0.0, description="upper bound of the matchmaking window (seconds)")
     allreduce_timeout_s: float = Field(30.0, gt=0.0, description="bound on one all-reduce once a group formed")
     sync_momentum: bool = Field(True, description="average the outer momentum with the parameters (2x bytes)")
 
@@ -149,10 +151,11 @@ def _is_bool(annotation: Any) -> bool:
     return annotation is bool
 
 
-def add_config_arguments(parser: argparse.ArgumentParser) -> None:
-    """Add ``--config FILE`` and one ``--field-name`` flag per config field (all defaulting to "not given")."""
+def add_config_arguments(parser: argparse.ArgumentParser, sections: tuple[str, ...] = tuple(SECTIONS)) -> None:
+    """Add ``--config FILE`` and one ``--field-name`` flag per field of ``sections`` (all default to "not given")."""
     parser.add_argument("--config", type=Path, help="TOML file with [model], [data], [inner], [outer], ... sections")
-    for section_name, section in SECTIONS.items():
+    for section_name in sections:
+        section = SECTIONS[section_name]
         group = parser.add_argument_group(section_name)
         for name, field in section.model_fields.items():
             kwargs: dict[str, Any] = dict(dest=f"{section_name}.{name}", default=argparse.SUPPRESS, help=field.description)
@@ -172,12 +175,7 @@ def load_config(args: argparse.Namespace | None = None, toml_path: Path | None =
     cli = vars(args) if args is not None else {}
     toml_path = toml_path or cli.get("config")
     if toml_path is not None:
-        try:
-            loaded = tomllib.loads(Path(toml_path).read_text())
-        except FileNotFoundError:
-            raise ConfigError(f"config file not found: {toml_path}") from None
-        except tomllib.TOMLDecodeError as error:
-            raise ConfigError(f"config file {toml_path} is not valid TOML: {error}") from None
+        loaded = _read_toml(Path(toml_path))
         for section_name, values in loaded.items():
             if section_name not in SECTIONS or not isinstance(values, dict):
                 raise ConfigError(f"config file {toml_path}: unknown section [{section_name}]")
@@ -192,12 +190,38 @@ def load_config(args: argparse.Namespace | None = None, toml_path: Path | None =
     try:
         return PeerConfig(**{name: values for name, values in raw.items() if values or name in ("model", "data")})
     except ValidationError as error:
-        first = error.errors()[0]
-        location = ".".join(str(part) for part in first["loc"])
-        field_name = str(first["loc"][-1]) if first["loc"] else ""
-        flag = f" ({_flag(field_name)})" if field_name in _all_field_names() else ""
-        message = first["msg"].removeprefix("Value error, ")
-        raise ConfigError(f"invalid config {location}{flag}: {message}") from None
+        raise _config_error(error) from None
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    try:
+        return tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file not found: {path}") from None
+    except tomllib.TOMLDecodeError as error:
+        raise ConfigError(f"config file {path} is not valid TOML: {error}") from None
+
+
+def _config_error(error: ValidationError) -> ConfigError:
+    first = error.errors()[0]
+    location = ".".join(str(part) for part in first["loc"])
+    field_name = str(first["loc"][-1]) if first["loc"] else ""
+    flag = f" ({_flag(field_name)})" if field_name in _all_field_names() else ""
+    message = first["msg"].removeprefix("Value error, ")
+    return ConfigError(f"invalid config {location}{flag}: {message}")
+
+
+def load_network_section(args: argparse.Namespace) -> NetworkSection:
+    """The [network] section alone (bootstrap and status commands), from ``--config`` and flags."""
+    raw: dict[str, Any] = {}
+    config_path = vars(args).get("config")
+    if config_path is not None:
+        raw.update(_read_toml(Path(config_path)).get("network", {}))
+    raw.update({key.split(".", 1)[1]: value for key, value in vars(args).items() if key.startswith("network.")})
+    try:
+        return NetworkSection(**raw)
+    except ValidationError as error:
+        raise _config_error(error) from None
 
 
 def _all_field_names() -> set[str]:

@@ -108,3 +108,25 @@ def _check_same_shapes(first: Sequence[torch.Tensor], second: Sequence[torch.Ten
     for index, (a, b) in enumerate(zip(first, second)):
         if a.shape != b.shape:
             raise ValueError(f"tensor {index} differs in shape: {tuple(a.shape)} vs {tuple(b.shape)}")
+
+
+def consensus_probe_indices(global_params: Sequence[torch.Tensor], size: int = 1024, seed: int = 0) -> torch.Tensor:
+    """Fixed pseudo-random flat coordinates of φ; identical on every unit with the same architecture."""
+    total = sum(tensor.numel() for tensor in global_params)
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, total, (min(size, total),), generator=generator)
+
+
+def consensus_probe(global_params: Sequence[torch.Tensor], indices: torch.Tensor) -> list[float]:
+    """φ at the probe coordinates: units compare probes to estimate their drift without sending φ."""
+    flat = torch.cat([tensor.detach().reshape(-1).float().cpu() for tensor in global_params])
+    return flat[indices].tolist()
+
+
+def probe_drift(probes: Sequence[Sequence[float]]) -> float:
+    """Largest relative distance ‖a − b‖/‖a‖ between any two units' probes (0 for fewer than two)."""
+    if len(probes) < 2:
+        return 0.0
+    stacked = torch.tensor(probes, dtype=torch.float64)
+    reference_norm = stacked.norm(dim=1).max().clamp_min(1e-30)
+    return float(torch.cdist(stacked, stacked).max() / reference_norm)

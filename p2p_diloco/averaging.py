@@ -1,0 +1,219 @@
+"""The one seam between a learning unit and the network: average one outer round with reachable peers.
+
+A round is started with :meth:`OuterAverager.begin_round` and never blocks: matchmaking and the all-reduce
+run in hivemind's averager process while the unit keeps training, and :meth:`OuterAverager.poll` returns
+the outcome once there is one.
+
+Group formation (hivemind 1.1.12 semantics, measured): a unit declares itself for a *window* of seconds;
+units that reach their own sync point inside that window join it, and the group starts its all-reduce
+when the window ends (at once if ``target_group_size`` members joined). Quorum K:
+
+* K = 1 (never wait): if nobody joins within the window, the round completes alone with the unit's own
+  proposal (group size 1). hivemind's ``min_group_size=1`` would form a solo group instantly and never
+  wait for anyone, so the averager runs with ``min_group_size=2`` and the solo fallback lives here.
+* K ≥ 2: a round with fewer than K members fails; the caller keeps its global parameters unchanged and
+  the progress stays in the next pseudo-gradient (nothing is lost).
+
+A member that dies mid-all-reduce does not fail the round for the survivors: its shard of the result keeps
+the survivor's own values (a partial average). Averaging outer-step proposals makes that harmless: the
+next rounds average those shards again (see diloco.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from concurrent.futures import InvalidStateError
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import hivemind
+import torch
+from hivemind.averaging.control import AveragingStage, StepControl
+from hivemind.utils import get_dht_time
+
+from p2p_diloco.diloco import probe_drift
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RoundOutcome:
+    """What one outer round produced. ``averaged`` is None when the round failed (see ``error``)."""
+
+    averaged: list[torch.Tensor] | None
+    group_size: int
+    max_member_round: int
+    total_weight: float
+    started_at: float
+    finished_at: float
+    member_drift: float = 0.0  # relative distance between members' global parameters before the round
+    error: str | None = None
+
+    @property
+    def succeeded(self) -> bool:
+        return self.averaged is not None
+
+
+@dataclass
+class _PendingRound:
+    control: StepControl
+    proposal: list[torch.Tensor]
+    weight: float
+    outer_round: int
+    started_at: float
+
+
+class OuterAverager:
+    """Averages fixed-shape CPU tensor lists (outer-step proposals) with whichever peers are matchmaking.
+
+    Peers are grouped under ``prefix``: give a prefix that includes the run id and the model fingerprint so
+    that units of other runs or of another architecture never meet. Owns a hivemind averager process;
+    call :meth:`shutdown` (also on errors) to stop it.
+    """
+
+    def __init__(
+        self,
+        dht: hivemind.DHT,
+        prefix: str,
+        template: Sequence[torch.Tensor],
+        *,
+        quorum: int,
+        target_group_size: int,
+        allreduce_timeout_s: float,
+        request_timeout_s: float = 1.0,
+    ):
+        self.quorum = quorum
+        self._shapes = [tuple(tensor.shape) for tensor in template]
+        self._averager = hivemind.DecentralizedAverager(
+            averaged_tensors=[torch.zeros_like(tensor, dtype=torch.float32, device="cpu") for tensor in template],
+            dht=dht,
+            start=True,
+            prefix=prefix,
+            target_group_size=max(target_group_size, 2),
+            min_group_size=max(quorum, 2),
+            min_matchmaking_time=request_timeout_s * 1.5,
+            request_timeout=request_timeout_s,
+            allreduce_timeout=allreduce_timeout_s,
+        )
+        self._pending: _PendingRound | None = None
+
+    @property
+    def in_flight(self) -> bool:
+        return self._pending is not None
+
+    @property
+    def allreduce_running(self) -> bool:
+        """True once the group has formed and the all-reduce itself is running."""
+        return self._pending is not None and self._pending.control.stage == AveragingStage.RUNNING_ALLREDUCE
+
+    def begin_round(
+        self,
+        proposal: Sequence[torch.Tensor],
+        weight: float,
+        outer_round: int,
+        window_s: float,
+        probe: Sequence[float] = (),
+    ) -> None:
+        """Start averaging ``proposal`` (weighted by ``weight`` > 0) in the background; returns at once.
+
+        ``probe`` (see ``diloco.consensus_probe``) is shared with the group to measure how far apart the
+        members' global parameters were.
+
+        Raises RuntimeError if a round is already in flight and ValueError for a proposal of another shape.
+        """
+        if self._pending is not None:
+            raise RuntimeError("an outer round is already in flight")
+        if [tuple(tensor.shape) for tensor in proposal] != self._shapes:
+            raise ValueError("proposal does not match the averaged tensors' shapes")
+        if not weight > 0:
+            raise ValueError(f"weight must be positive, got {weight}")
+        proposal = [tensor.detach().to(device="cpu", dtype=torch.float32) for tensor in proposal]
+        with self._averager.get_tensors() as buffers:
+            for buffer, tensor in zip(buffers, proposal):
+                buffer.copy_(tensor)
+        now = get_dht_time()
+        control = self._averager.step(
+            weight=float(weight),
+            gather=dict(outer_round=int(outer_round), weight=float(weight), probe=list(probe)),
+            scheduled_time=now + window_s,
+            timeout=window_s + 1.0,
+            allow_retries=True,
+            wait=False,
+        )
+        self._pending = _PendingRound(control, proposal, float(weight), int(outer_round), time.time())
+
+    def poll(self) -> RoundOutcome | None:
+        """The outcome of the round in flight once it ended, else None. Never raises for network failures."""
+        pending = self._pending
+        if pending is None or not pending.control.done():
+            return None
+        self._pending = None
+        try:
+            gathered = pending.control.result()
+        except BaseException as error:  # hivemind surfaces matchmaking and all-reduce failures here
+            return self._without_group(pending, f"{type(error).__name__}: {error}")
+        if not gathered:
+            return self._without_group(pending, "averager returned no group")
+        with self._averager.get_tensors() as buffers:
+            averaged = [buffer.clone() for buffer in buffers]
+        infos = [info for info in gathered.values() if isinstance(info, dict)]
+        member_rounds = [int(info.get("outer_round", -1)) for info in infos]
+        total_weight = sum(float(info.get("weight", 0.0)) for info in infos)
+        probes = [info["probe"] for info in infos if isinstance(info.get("probe"), list) and info["probe"]]
+        same_length = [probe for probe in probes if len(probe) == len(probes[0])] if probes else []
+        return RoundOutcome(
+            averaged=averaged,
+            group_size=len(gathered),
+            max_member_round=max(member_rounds, default=pending.outer_round),
+            total_weight=total_weight,
+            started_at=pending.started_at,
+            finished_at=time.time(),
+            member_drift=probe_drift(same_length),
+        )
+
+    def _without_group(self, pending: _PendingRound, error: str) -> RoundOutcome:
+        """No usable group: with quorum 1 the round completes alone, otherwise it fails."""
+        if self.quorum == 1:
+            logger.info("outer round %d completed alone: %s", pending.outer_round, error)
+            return RoundOutcome(
+                averaged=pending.proposal,
+                group_size=1,
+                max_member_round=pending.outer_round,
+                total_weight=pending.weight,
+                started_at=pending.started_at,
+                finished_at=time.time(),
+            )
+        logger.warning("outer round %d failed (quorum %d not reached): %s", pending.outer_round, self.quorum, error)
+        return RoundOutcome(None, 0, pending.outer_round, 0.0, pending.started_at, time.time(), error=error)
+
+    def wait_or_cancel(self, timeout_s: float) -> RoundOutcome | None:
+        """For shutdown: finish an all-reduce that already started (bounded by ``timeout_s``); a round still
+        matchmaking is cancelled and dropped (None), its progress stays in the local parameters."""
+        pending = self._pending
+        if pending is None:
+            return None
+        if not self.allreduce_running:
+            _cancel(pending.control)
+        deadline = time.monotonic() + timeout_s
+        while not pending.control.done() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if pending.control.cancelled() or not pending.control.done():
+            _cancel(pending.control)
+            self._pending = None
+            return None
+        return self.poll()
+
+    def shutdown(self) -> None:
+        if self._pending is not None:
+            _cancel(self._pending.control)
+        self._pending = None
+        self._averager.shutdown()
+
+
+def _cancel(control: StepControl) -> None:
+    """Cancel a step unless it already ended or was already cancelled (hivemind raises for those)."""
+    if not control.done():
+        with contextlib.suppress(InvalidStateError):
+            control.cancel()

@@ -1,0 +1,104 @@
+"""``p2p-diloco {bootstrap, join, status, demo}``: parse arguments, call one ``run_*`` function, map errors.
+
+Bad input (config, model, dataset, addresses, an unreachable swarm, a model that does not match the swarm's)
+prints one ``error: ...`` line to stderr and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from p2p_diloco.config import ConfigError, add_config_arguments, load_config, load_network_section
+
+logger = logging.getLogger("p2p_diloco")
+
+USER_ERRORS = (
+    "ConfigError",
+    "ModelLoadError",
+    "DatasetLoadError",
+    "NetworkError",
+    "JoinError",
+    "CheckpointError",
+)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="p2p-diloco", description=__doc__.splitlines()[0], allow_abbrev=False)
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    bootstrap = commands.add_parser("bootstrap", help="run a DHT node that helps peers find each other", allow_abbrev=False)
+    add_config_arguments(bootstrap, sections=("network",))
+    bootstrap.set_defaults(handler=_bootstrap)
+
+    join = commands.add_parser("join", help="join a swarm as one learning unit and train", allow_abbrev=False)
+    add_config_arguments(join)
+    join.set_defaults(handler=_join)
+
+    status = commands.add_parser("status", help="print the swarm as the DHT sees it", allow_abbrev=False)
+    add_config_arguments(status, sections=("network",))
+    status.set_defaults(handler=_status)
+
+    demo = commands.add_parser("demo", help="bootstrap + several peers on 127.0.0.1 with the embedded model and corpus")
+    demo.add_argument("--peers", type=int, default=3, help="learning units to start (default 3)")
+    demo.add_argument("--duration", type=float, default=60.0, help="seconds of training per peer (default 60)")
+    demo.add_argument("--work-dir", type=Path, default=Path("runs/demo"), help="logs, metrics, checkpoints, export")
+    demo.set_defaults(handler=_demo)
+    return parser
+
+
+def _bootstrap(args: argparse.Namespace) -> int:
+    from p2p_diloco.bootstrap_node import run_bootstrap
+    from p2p_diloco.lifecycle import install_stop_signals
+
+    network = load_network_section(args)
+    if network.identity_path is None:
+        network = network.model_copy(update={"identity_path": "bootstrap.key"})
+    return run_bootstrap(network, stop=install_stop_signals())
+
+
+def _join(args: argparse.Namespace) -> int:
+    from p2p_diloco.lifecycle import ensure_fork_start_method, install_stop_signals, own_process_group, start_orphan_reaper
+    from p2p_diloco.peer import run_peer
+
+    config = load_config(args)
+    ensure_fork_start_method()
+    own_process_group()
+    start_orphan_reaper()
+    run_peer(config, install_stop_signals())
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    from p2p_diloco.status import run_status
+
+    return run_status(load_network_section(args))
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from p2p_diloco.demo import run_demo
+
+    if args.peers < 1 or args.duration <= 0:
+        raise ConfigError("--peers must be >= 1 and --duration > 0")
+    return run_demo(peers=args.peers, duration_s=args.duration, work_dir=args.work_dir)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from p2p_diloco.metrics import configure_logging
+
+    try:
+        configure_logging(args.log_level)
+        return args.handler(args)
+    except Exception as error:
+        if type(error).__name__ in USER_ERRORS or isinstance(error, ValueError):
+            print(f"error: {error}", file=sys.stderr)
+            return 2
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

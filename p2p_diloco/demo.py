@@ -1,0 +1,171 @@
+"""The embedded default: a bootstrap node and N learning units on 127.0.0.1, each a separate OS process.
+
+Every unit pre-trains the small GPT-2 shipped in ``assets/tiny-gpt2`` on the shipped Moby Dick corpus for a
+bounded time; the summary reads each unit's metrics.jsonl. Nothing but localhost is reached.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ASSETS = Path(__file__).parent / "assets"
+TINY_MODEL = ASSETS / "tiny-gpt2"
+CORPUS = ASSETS / "corpus"
+BOOTSTRAP_TIMEOUT_S = 60.0
+
+
+@dataclass
+class PeerSummary:
+    name: str
+    exit_code: int | None
+    eval_before: float | None
+    eval_after: float | None
+    outer_rounds: int
+    mean_group_size: float
+    bytes_sent: int
+    inner_steps: int
+
+
+def peer_command(initial_peer: str, work_dir: Path, duration_s: float, run_id: str = "demo") -> list[str]:
+    """The ``p2p-diloco join`` command line of one demo unit."""
+    return [
+        sys.executable, "-m", "p2p_diloco.cli", "join",
+        "--run-id", run_id,
+        "--initial-peers", initial_peer,
+        "--model-config", str(TINY_MODEL),
+        "--dataset", str(CORPUS),
+        "--seq-len", "64",
+        "--batch-size", "8",
+        "--inner-lr", "3e-3",
+        "--inner-steps", "20",
+        "--max-time-s", str(duration_s),
+        "--work-dir", str(work_dir),
+        "--save-dir", str(work_dir / "model"),
+        "--threads", "1",
+        "--no-progress",
+    ]
+
+
+def start_bootstrap(work_dir: Path) -> tuple[subprocess.Popen, str]:
+    """Start ``p2p-diloco bootstrap`` on 127.0.0.1 and return it with the first multiaddr it prints."""
+    work_dir.mkdir(parents=True, exist_ok=True)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "p2p_diloco.cli", "bootstrap", "--identity-path", str(work_dir / "bootstrap.key"),
+         "--host-maddrs", "/ip4/127.0.0.1/tcp/0"],
+        stdout=subprocess.PIPE,
+        stderr=open(work_dir / "bootstrap.log", "w"),
+        text=True,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + BOOTSTRAP_TIMEOUT_S
+    assert process.stdout is not None
+    while time.monotonic() < deadline:
+        line = process.stdout.readline()
+        if not line:
+            break
+        for word in line.split():
+            if word.startswith("/ip4/127.0.0.1/") and "/p2p/" in word:
+                return process, word
+    stop_process_group(process)
+    raise RuntimeError(f"the bootstrap node printed no multiaddr; see {work_dir / 'bootstrap.log'}")
+
+
+def stop_process_group(process: subprocess.Popen, grace_s: float = 20.0) -> int | None:
+    """SIGTERM the process's group, wait up to ``grace_s``, then SIGKILL the group; returns the exit code."""
+    if process.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    return process.wait()
+
+
+def summarize(name: str, metrics_path: Path, exit_code: int | None) -> PeerSummary:
+    """Aggregate one unit's metrics.jsonl."""
+    events = [json.loads(line) for line in metrics_path.read_text().splitlines()] if metrics_path.exists() else []
+    evals = [event["eval_loss"] for event in events if event["event"] == "eval"]
+    rounds = [event for event in events if event["event"] == "outer_round"]
+    stops = [event for event in events if event["event"] == "stop"]
+    return PeerSummary(
+        name=name,
+        exit_code=exit_code,
+        eval_before=evals[0] if evals else None,
+        eval_after=evals[-1] if evals else None,
+        outer_rounds=len(rounds),
+        mean_group_size=sum(event["group_size"] for event in rounds) / len(rounds) if rounds else 0.0,
+        bytes_sent=sum(event["est_bytes_sent"] for event in rounds),
+        inner_steps=stops[-1]["inner_step"] if stops else 0,
+    )
+
+
+def format_summary(summaries: list[PeerSummary]) -> str:
+    def loss(value: float | None) -> str:
+        return "n/a" if value is None else f"{value:.3f}"
+
+    lines = [
+        "| peer | exit | inner steps | outer rounds | mean group size | eval loss before | eval loss after | MiB sent (est.) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for summary in summaries:
+        lines.append(
+            f"| {summary.name} | {summary.exit_code} | {summary.inner_steps} | {summary.outer_rounds} | "
+            f"{summary.mean_group_size:.2f} | {loss(summary.eval_before)} | {loss(summary.eval_after)} | "
+            f"{summary.bytes_sent / 2**20:.1f} |"
+        )
+    return "\n".join(lines)
+
+
+def run_demo(peers: int, duration_s: float, work_dir: Path) -> int:
+    """Run the local swarm and print its summary. Exit code 0 when every unit exited 0, groups of several
+    units formed and every unit's consensus eval loss fell; 1 otherwise. Every process is stopped on exit."""
+    work_dir = Path(work_dir)
+    bootstrap, maddr = start_bootstrap(work_dir)
+    print(f"bootstrap node up: {maddr}", flush=True)
+    units: list[subprocess.Popen] = []
+    try:
+        for index in range(peers):
+            unit_dir = work_dir / f"peer{index}"
+            unit_dir.mkdir(parents=True, exist_ok=True)
+            units.append(
+                subprocess.Popen(
+                    peer_command(maddr, unit_dir, duration_s),
+                    stdout=open(unit_dir / "stdout.log", "w"),
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
+        print(f"{peers} learning units training for {duration_s:.0f} s (logs in {work_dir}/peer*/)", flush=True)
+        deadline = time.monotonic() + duration_s + 180.0
+        while time.monotonic() < deadline and any(unit.poll() is None for unit in units):
+            time.sleep(1.0)
+    finally:
+        exit_codes = [stop_process_group(unit) for unit in units]
+        stop_process_group(bootstrap)
+    summaries = [
+        summarize(f"peer{index}", work_dir / f"peer{index}" / "metrics.jsonl", code)
+        for index, code in enumerate(exit_codes)
+    ]
+    table = format_summary(summaries)
+    print(table)
+    (work_dir / "summary.md").write_text(table + "\n")
+    ok = all(
+        summary.exit_code == 0
+        and summary.eval_before is not None
+        and summary.eval_after is not None
+        and summary.eval_after < summary.eval_before
+        for summary in summaries
+    ) and (peers == 1 or any(summary.mean_group_size > 1 for summary in summaries))
+    print("demo " + ("succeeded" if ok else "FAILED") + f"; consensus models exported to {work_dir}/peer*/model")
+    return 0 if ok else 1

@@ -1,0 +1,98 @@
+"""The inner optimizer of a learning unit: AdamW with warm-up and cosine decay, clipping, accumulation."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from p2p_diloco.config import InnerSection
+
+
+@dataclass(frozen=True)
+class StepStats:
+    loss: float
+    tokens: int
+    seconds: float
+
+
+def lr_factor(step: int, warmup_steps: int, decay_steps: int, floor: float = 0.1) -> float:
+    """Linear warm-up to 1, then cosine decay to ``floor`` at ``decay_steps``, then held at ``floor``."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, decay_steps - warmup_steps))
+    return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class InnerTrainer:
+    """Trains a causal LM in place; the parameters it trains are ``self.params`` (θ)."""
+
+    def __init__(self, model: torch.nn.Module, section: InnerSection, device: torch.device):
+        self.model, self.section, self.device = model, section, device
+        self.params = [param for param in model.parameters() if param.requires_grad]
+        self.optimizer = torch.optim.AdamW(
+            self.params, lr=section.inner_lr, weight_decay=section.weight_decay, betas=(0.9, 0.95)
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda step: lr_factor(step, section.warmup_steps, section.decay_steps)
+        )
+
+    def train_step(self, batches: Iterator[torch.Tensor]) -> StepStats:
+        """One optimizer step over ``grad_accum`` micro-batches of token ids (labels = inputs).
+
+        A non-finite loss skips the update (gradients dropped) and is reported as the loss.
+        """
+        started = time.perf_counter()
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        total_loss, tokens = 0.0, 0
+        for _ in range(self.section.grad_accum):
+            input_ids = next(batches).to(self.device)
+            loss = self.model(input_ids=input_ids, labels=input_ids).loss
+            (loss / self.section.grad_accum).backward()
+            total_loss += float(loss.detach()) / self.section.grad_accum
+            tokens += input_ids.numel()
+        if math.isfinite(total_loss):
+            torch.nn.utils.clip_grad_norm_(self.params, self.section.grad_clip)
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        return StepStats(total_loss, tokens, time.perf_counter() - started)
+
+    @torch.no_grad()
+    def evaluate(self, batches: Sequence[torch.Tensor]) -> float:
+        """Mean loss over held-out batches with the current parameters."""
+        self.model.eval()
+        losses = [float(self.model(input_ids=batch.to(self.device), labels=batch.to(self.device)).loss) for batch in batches]
+        self.model.train()
+        return sum(losses) / len(losses)
+
+    @contextlib.contextmanager
+    def parameters_swapped(self, replacement: Sequence[torch.Tensor]) -> Iterator[None]:
+        """Temporarily load ``replacement`` (e.g. the global parameters) into the model; restores θ after."""
+        saved = [param.detach().clone() for param in self.params]
+        self.load_parameters(replacement)
+        try:
+            yield
+        finally:
+            self.load_parameters(saved)
+
+    @torch.no_grad()
+    def load_parameters(self, values: Sequence[torch.Tensor]) -> None:
+        for param, value in zip(self.params, values, strict=True):
+            param.copy_(value.to(device=param.device, dtype=param.dtype))
+
+    def local_parameters(self) -> list[torch.Tensor]:
+        """A CPU fp32 copy of θ."""
+        return [param.detach().to(device="cpu", dtype=torch.float32, copy=True) for param in self.params]
+
+    def state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])

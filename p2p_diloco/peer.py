@@ -1,0 +1,75 @@
+"""Start one learning unit: load model and data, join the DHT, train, and release everything on exit."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import threading
+from pathlib import Path
+
+import torch
+
+from p2p_diloco.averaging import OuterAverager
+from p2p_diloco.config import PeerConfig
+from p2p_diloco.data import load_text_data
+from p2p_diloco.dht import start_dht
+from p2p_diloco.metrics import MetricsLog
+from p2p_diloco.model import load_model
+from p2p_diloco.records import SwarmRecords, record_validators
+from p2p_diloco.state_sync import StateServer
+from p2p_diloco.unit import JoinError, LearningUnit
+
+logger = logging.getLogger(__name__)
+
+
+def shard_seed(seed: int, peer_id: str) -> int:
+    """Seed of this unit's data order: distinct per peer id, reproducible for a given identity and seed."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{peer_id}".encode()).digest()[:8], "little")
+
+
+def run_peer(config: PeerConfig, stop: threading.Event) -> None:
+    """Run a learning unit until ``stop`` is set or a run limit is reached, then leave cleanly.
+
+    Raises ModelLoadError, DatasetLoadError, NetworkError, JoinError or CheckpointError (one-line messages)
+    for input the unit cannot work with; every process it started is stopped before it returns or raises.
+    """
+    if config.run.threads is not None:
+        torch.set_num_threads(config.run.threads)
+    loaded = load_model(config.model)
+    run_id = config.network.run_id
+    validators = record_validators(run_id)
+    with contextlib.ExitStack() as owned:
+        dht = start_dht(config.network, record_validators=validators)
+        owned.callback(dht.shutdown)
+        peer_id = str(dht.peer_id)
+        records = SwarmRecords(dht, run_id, validators)
+        swarm_fingerprint = records.claim_model_fingerprint(loaded.fingerprint)
+        if swarm_fingerprint != loaded.fingerprint:
+            raise JoinError(
+                f"model fingerprint {loaded.fingerprint} differs from run '{run_id}' fingerprint {swarm_fingerprint}: "
+                "this model cannot average with the swarm's"
+            )
+        data = load_text_data(config.data, loaded.tokenizer, shard_seed(config.model.seed, peer_id))
+        trained = [param for param in loaded.model.parameters() if param.requires_grad]
+        prefix = f"{run_id}_{loaded.fingerprint}"
+        averager = OuterAverager(
+            dht,
+            f"{prefix}_outer",
+            trained * 2 if config.outer.sync_momentum else trained,
+            quorum=config.outer.quorum,
+            target_group_size=config.outer.target_group_size,
+            allreduce_timeout_s=config.outer.allreduce_timeout_s,
+        )
+        owned.callback(averager.shutdown)
+        state_server = StateServer(dht, f"{prefix}_state", trained)
+        owned.callback(state_server.shutdown)
+        metrics = owned.enter_context(MetricsLog(Path(config.run.work_dir) / "metrics.jsonl"))
+        unit = LearningUnit(config, loaded, data, averager, state_server, records, peer_id, metrics)
+        source = unit.join()
+        metrics.write("join", peer_id=peer_id, source=source, outer_round=unit.outer_round, fingerprint=loaded.fingerprint)
+        logger.info("joined run=%s peer_id=%s source=%s outer_round=%d", run_id, peer_id, source, unit.outer_round)
+        try:
+            unit.run(stop)
+        finally:
+            unit.finish()

@@ -1,0 +1,117 @@
+"""Serve and download the swarm's global state (φ, outer momentum, counters) for joiners and stragglers.
+
+Every live learning unit serves its latest consensus state through a hivemind averager that never averages:
+it only answers state downloads (``load_state_from_peers``), and donors are tried in order of their outer
+round, freshest first. The bootstrap node serves nothing: state always comes from a live unit.
+
+Wire layout of a state: ``[*global_params, *momentum, counters]`` where ``counters`` is a float64 tensor
+``[format, outer_round, inner_step, tokens]``. A download is validated before use (tensor count, shapes,
+dtypes, finite values, sane counters); an invalid or missing state yields None and a logged reason.
+
+Known limit: a download that overlaps the donor's publication of the next round may mix two consecutive
+rounds' tensors; the joiner's next averaging round pulls it back into consensus like any drift.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import hivemind
+import torch
+
+logger = logging.getLogger(__name__)
+
+STATE_FORMAT = 1.0
+
+
+@dataclass
+class SwarmState:
+    global_params: list[torch.Tensor]
+    momentum: list[torch.Tensor]
+    outer_round: int
+    inner_step: int
+    tokens: int
+
+
+class StateServer:
+    """Publishes this unit's consensus state to the swarm and downloads other units' states.
+
+    Owns a hivemind averager process; call :meth:`shutdown` to stop it.
+    """
+
+    def __init__(self, dht: hivemind.DHT, prefix: str, template: Sequence[torch.Tensor], request_timeout_s: float = 3.0):
+        self._shapes = [tuple(tensor.shape) for tensor in template]
+        self._averager = hivemind.DecentralizedAverager(
+            averaged_tensors=[torch.zeros(shape) for shape in self._shapes * 2] + [torch.zeros(4, dtype=torch.float64)],
+            dht=dht,
+            start=True,
+            prefix=prefix,
+            target_group_size=2,
+            min_group_size=2,
+            request_timeout=request_timeout_s,
+            allow_state_sharing=False,
+            declare_state_period=5.0,
+        )
+
+    def publish(self, state: SwarmState) -> None:
+        """Make ``state`` the one served to peers (copied); sharing starts with the first publication."""
+        with self._averager.get_tensors() as buffers:
+            for buffer, tensor in zip(buffers, [*state.global_params, *state.momentum]):
+                buffer.copy_(tensor.detach().to(device="cpu", dtype=torch.float32))
+            buffers[-1].copy_(
+                torch.tensor([STATE_FORMAT, state.outer_round, state.inner_step, state.tokens], dtype=torch.float64)
+            )
+        self._averager.state_sharing_priority = float(state.outer_round)
+        self._averager.allow_state_sharing = True
+
+    def download(self, timeout_s: float) -> SwarmState | None:
+        """Download the freshest donor's state, or None when no donor answered or its state was invalid."""
+        try:
+            loaded = self._averager.load_state_from_peers(timeout=timeout_s)
+        except Exception as error:  # a failed download is an expected event in a churning swarm
+            logger.warning("state download failed: %s", error)
+            return None
+        if loaded is None:
+            return None
+        _metadata, tensors = loaded
+        try:
+            return self._validated(tensors)
+        except ValueError as error:
+            logger.warning("rejected a downloaded state: %s", error)
+            return None
+
+    def _validated(self, tensors: Sequence[torch.Tensor]) -> SwarmState:
+        count = len(self._shapes)
+        if len(tensors) != 2 * count + 1:
+            raise ValueError(f"expected {2 * count + 1} tensors, got {len(tensors)}")
+        for index, tensor in enumerate(tensors[:-1]):
+            if not isinstance(tensor, torch.Tensor) or tensor.dtype != torch.float32:
+                raise ValueError(f"tensor {index} is not float32")
+            if tuple(tensor.shape) != self._shapes[index % count]:
+                raise ValueError(f"tensor {index} has shape {tuple(tensor.shape)}, expected {self._shapes[index % count]}")
+            if not torch.isfinite(tensor).all():
+                raise ValueError(f"tensor {index} has non-finite values")
+        counters = tensors[-1]
+        if counters.dtype != torch.float64 or tuple(counters.shape) != (4,):
+            raise ValueError("malformed counters")
+        format_version, outer_round, inner_step, tokens = (float(value) for value in counters)
+        if format_version != STATE_FORMAT:
+            raise ValueError(f"unknown state format {format_version}")
+        for name, value in (("outer_round", outer_round), ("inner_step", inner_step), ("tokens", tokens)):
+            if not (math.isfinite(value) and value >= 0 and value == int(value)):
+                raise ValueError(f"invalid {name} {value}")
+        return SwarmState(
+            global_params=[tensor.clone() for tensor in tensors[:count]],
+            momentum=[tensor.clone() for tensor in tensors[count : 2 * count]],
+            outer_round=int(outer_round),
+            inner_step=int(inner_step),
+            tokens=int(tokens),
+        )
+
+    def shutdown(self) -> None:
+        """Stop serving. The donor record expires by itself; a joiner that still tries us moves on to the next
+        donor. (Switching sharing off first would make the averager write to the DHT while it shuts down.)"""
+        self._averager.shutdown()
