@@ -13,7 +13,7 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -29,6 +29,7 @@ class ModelSection(_Section):
     model_config_path: str | None = Field(
         None,
         description="pre-train from this config (hub name, directory or config.json) instead of weights",
+        validation_alias=AliasChoices("model_config", "model_config_path"),
         json_schema_extra={"flag": "--model-config"},
     )
     tokenizer: str | None = Field(None, description="tokenizer hub name or directory (default: same as the model)")
@@ -81,9 +82,9 @@ class OuterSection(_Section):
     @model_validator(mode="after")
     def _grace_bounds(self) -> "OuterSection":
         if self.min_grace_s > self.max_grace_s:
-            raise ValueError("min_grace_s must not exceed max_grace_s")
+            raise ValueError("--min-grace-s must not exceed --max-grace-s")
         if self.quorum > self.target_group_size:
-            raise ValueError("quorum must not exceed target_group_size")
+            raise ValueError("--quorum must not exceed --target-group-size")
         return self
 
 
@@ -135,6 +136,9 @@ SECTIONS: dict[str, type[_Section]] = {
 }
 
 
+_MODEL_SOURCES = ("model", "model_config", "model_config_path")
+
+
 def _flag(field_name: str) -> str:
     for section in SECTIONS.values():
         field = section.model_fields.get(field_name)
@@ -180,13 +184,19 @@ def load_config(args: argparse.Namespace | None = None, toml_path: Path | None =
             if section_name not in SECTIONS or not isinstance(values, dict):
                 raise ConfigError(f"config file {toml_path}: unknown section [{section_name}]")
             raw[section_name].update(values)
-    for key, value in cli.items():
-        if "." in key:
-            section_name, field_name = key.split(".", 1)
-            raw[section_name][field_name] = value
+    cli_layer = [tuple(key.split(".", 1)) + (value,) for key, value in cli.items() if "." in key]
+    override_layer = []
     for key, value in overrides.items():
-        section_name, field_name = key.split("__", 1)
-        raw[section_name][field_name] = value
+        section_name, _, field_name = key.partition("__")
+        if section_name not in SECTIONS or not field_name:
+            raise ConfigError(f"invalid override {key!r}: expected section__field with a section in {sorted(SECTIONS)}")
+        override_layer.append((section_name, field_name, value))
+    for layer in (cli_layer, override_layer):
+        if any(section == "model" and name in _MODEL_SOURCES for section, name, _ in layer):
+            for source in _MODEL_SOURCES:  # a higher layer choosing the model source replaces a lower one's choice
+                raw["model"].pop(source, None)
+        for section_name, field_name, value in layer:
+            raw[section_name][field_name] = value
     try:
         return PeerConfig(**{name: values for name, values in raw.items() if values or name in ("model", "data")})
     except ValidationError as error:
@@ -198,6 +208,8 @@ def _read_toml(path: Path) -> dict[str, Any]:
         return tomllib.loads(path.read_text())
     except FileNotFoundError:
         raise ConfigError(f"config file not found: {path}") from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise ConfigError(f"config file {path} is unreadable: {error}") from None
     except tomllib.TOMLDecodeError as error:
         raise ConfigError(f"config file {path} is not valid TOML: {error}") from None
 
@@ -205,8 +217,8 @@ def _read_toml(path: Path) -> dict[str, Any]:
 def _config_error(error: ValidationError) -> ConfigError:
     first = error.errors()[0]
     location = ".".join(str(part) for part in first["loc"])
-    field_name = str(first["loc"][-1]) if first["loc"] else ""
-    flag = f" ({_flag(field_name)})" if field_name in _all_field_names() else ""
+    known = [str(part) for part in first["loc"] if str(part) in _all_field_names()]
+    flag = f" ({_flag(known[-1])})" if known else ""
     message = first["msg"].removeprefix("Value error, ")
     return ConfigError(f"invalid config {location}{flag}: {message}")
 

@@ -17,6 +17,7 @@ on training meanwhile. :func:`merge_local_progress` keeps those τ steps: θ ←
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -33,9 +34,9 @@ class OuterHyperparams:
 
 
 def pseudo_gradient(global_params: Sequence[torch.Tensor], local_params: Sequence[torch.Tensor]) -> Tensors:
-    """Δ = φ − θ, computed in fp32 on φ's device. Raises ValueError if the two lists do not match."""
+    """Δ = φ − θ in φ's dtype and on φ's device. Raises ValueError if the two lists do not match."""
     _check_same_shapes(global_params, local_params)
-    return [phi - theta.detach().to(device=phi.device, dtype=phi.dtype) for phi, theta in zip(global_params, local_params)]
+    return [phi.detach() - theta.detach().to(device=phi.device, dtype=phi.dtype) for phi, theta in zip(global_params, local_params)]
 
 
 def outer_step(
@@ -68,7 +69,7 @@ def weighted_average(proposals: Sequence[Sequence[torch.Tensor]], weights: Seque
     if not proposals or len(proposals) != len(weights):
         raise ValueError("need one weight per proposal and at least one proposal")
     total = float(sum(weights))
-    if total <= 0 or any(weight < 0 for weight in weights):
+    if not all(math.isfinite(weight) and weight >= 0 for weight in weights) or not total > 0:
         raise ValueError(f"weights must be non-negative with a positive sum, got {list(weights)}")
     for other in proposals[1:]:
         _check_same_shapes(proposals[0], other)
@@ -97,8 +98,9 @@ def merge_local_progress(
 def max_relative_drift(reference: Sequence[torch.Tensor], other: Sequence[torch.Tensor]) -> float:
     """‖a − b‖ / ‖a‖ over all tensors: how far two units' global parameters are apart."""
     _check_same_shapes(reference, other)
-    difference = torch.sqrt(sum(((a.double() - b.double()) ** 2).sum() for a, b in zip(reference, other)))
-    norm = torch.sqrt(sum((a.double() ** 2).sum() for a in reference))
+    zero = torch.zeros((), dtype=torch.float64)
+    difference = torch.sqrt(sum((((a.double() - b.double()) ** 2).sum() for a, b in zip(reference, other)), zero))
+    norm = torch.sqrt(sum(((a.double() ** 2).sum() for a in reference), zero))
     return float(difference / norm.clamp_min(1e-30))
 
 
@@ -124,9 +126,10 @@ def consensus_probe(global_params: Sequence[torch.Tensor], indices: torch.Tensor
 
 
 def probe_drift(probes: Sequence[Sequence[float]]) -> float:
-    """Largest relative distance ‖a − b‖/‖a‖ between any two units' probes (0 for fewer than two)."""
+    """max over pairs of ‖a − b‖, divided by the largest ‖a‖: the units' relative drift (0 for fewer than two)."""
     if len(probes) < 2:
         return 0.0
     stacked = torch.tensor(probes, dtype=torch.float64)
     reference_norm = stacked.norm(dim=1).max().clamp_min(1e-30)
-    return float(torch.cdist(stacked, stacked).max() / reference_norm)
+    distances = torch.cdist(stacked, stacked, compute_mode="donot_use_mm_for_euclid_dist")
+    return float(distances.max() / reference_norm)

@@ -1,0 +1,255 @@
+"""Packed token batches for training and a fixed held-out evaluation set, from a :class:`DataSection`.
+
+Sources, always read through ``datasets`` as a stream (nothing is cached or copied):
+
+* a local file, glob or directory (searched recursively, hidden entries skipped): ``.txt``/``.md``/``.rst``
+  go to the ``text`` builder with ``sample_by="paragraph"`` (a document is a block of text between blank
+  lines), ``.json``/``.jsonl`` to ``json``, ``.parquet`` to ``parquet``; files are read in sorted order;
+* otherwise a hub dataset name, ``load_dataset(name, dataset_config, split="train", streaming=True)``.
+
+Documents are the non-blank values of ``text_column`` (stripped). A document is held out for evaluation
+iff :func:`is_held_out`: a stable hash of its text falls below ``eval_fraction``; the training stream
+never contains held-out documents. The evaluation batches are the first ``eval_batches`` batches of the
+held-out documents in source order, so they are identical on every peer, whatever its shard seed.
+
+Data order: each peer passes its own ``shard_seed`` (the caller derives it from the configured seed and the
+peer's identity). Epoch ``e`` of the training stream is ``shuffle(seed=derived(shard_seed, e),
+buffer_size=SHUFFLE_BUFFER)``: shard (file) order and documents within a buffer of ``SHUFFLE_BUFFER``
+documents are shuffled (a full permutation of corpora smaller than the buffer), differently on every peer
+and at every epoch. Documents are tokenized without special tokens, each followed by the tokenizer's eos,
+concatenated and cut into rows of ``seq_len`` tokens (no padding; labels = inputs). The training stream is
+continuous across epochs.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import itertools
+import logging
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import datasets
+import torch
+import transformers
+
+from p2p_diloco.config import DataSection
+from p2p_diloco.model import looks_local
+
+logger = logging.getLogger(__name__)
+
+SHUFFLE_BUFFER = 10_000
+_TOKENIZE_CHUNK = 64
+_BUILDERS = {".txt": "text", ".md": "text", ".rst": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+# What datasets raises for unreadable, missing or malformed sources.
+_LOAD_ERRORS = (OSError, ValueError, KeyError, ImportError, RuntimeError, datasets.exceptions.DatasetGenerationError)
+
+
+class DatasetLoadError(RuntimeError):
+    """The dataset cannot be loaded or used; the message is one line meant for the user."""
+
+
+@dataclass
+class TextData:
+    """Training and evaluation batches: ``torch.long`` tensors of token ids, ``[batch_size, seq_len]``.
+
+    ``eval_batches`` holds at least one batch, all of ``batch_size`` rows (a remainder is dropped), except
+    when the held-out documents give fewer rows than that: then it is one smaller batch.
+    """
+
+    eval_batches: list[torch.Tensor]
+    section: DataSection
+    tokenizer: transformers.PreTrainedTokenizerBase = field(repr=False)
+    documents: datasets.IterableDataset = field(repr=False)
+    shard_seed: int = 0
+
+    def train_batches(self) -> Iterator[torch.Tensor]:
+        """Infinite stream of full training batches, restarting from epoch 0 of this peer's order at each call.
+
+        Raises DatasetLoadError if an epoch yields no training document.
+        """
+        rows = _pack(_token_ids(self._training_texts(), self.tokenizer), self.section.seq_len)
+        return _batches(rows, self.section.batch_size, keep_partial=False)
+
+    def _training_texts(self) -> Iterator[str]:
+        """Training documents, epoch after epoch, each epoch in its own shuffled order."""
+        for epoch in itertools.count():
+            shuffled = self.documents.shuffle(seed=_epoch_seed(self.shard_seed, epoch), buffer_size=SHUFFLE_BUFFER)
+            count = 0
+            for text in _texts(shuffled, self.section, held_out=False):
+                count += 1
+                yield text
+            if count == 0:
+                raise DatasetLoadError(f"dataset '{self.section.dataset}' has no training documents")
+            logger.debug("training epoch done: epoch=%d documents=%d", epoch, count)
+
+
+def is_held_out(text: str, eval_fraction: float) -> bool:
+    """True iff the document belongs to the evaluation set (a stable blake2b hash of its text)."""
+    digest = hashlib.blake2b(text.encode("utf-8"), digest_size=8).digest()
+    return int.from_bytes(digest, "big") < eval_fraction * 2**64
+
+
+def load_text_data(
+    section: DataSection, tokenizer: transformers.PreTrainedTokenizerBase, shard_seed: int
+) -> TextData:
+    """Open the dataset, build the evaluation batches and check that training documents exist.
+
+    Raises DatasetLoadError (one line) for a missing path, an unsupported or mixed file type, a hub dataset
+    that cannot be loaded, a missing text column, unreadable data, no held-out sequence or no training data.
+    """
+    if tokenizer.eos_token_id is None:
+        raise DatasetLoadError("the tokenizer has no eos token to separate documents")
+    started = time.perf_counter()
+    documents = _open(section)
+    try:
+        eval_batches = _eval_batches(documents, section, tokenizer)
+        has_training = next(_texts(documents, section, held_out=False), None) is not None
+    except DatasetLoadError:
+        raise
+    except _LOAD_ERRORS as error:
+        raise DatasetLoadError(f"dataset '{section.dataset}' could not be read: {_first_line(error)}") from error
+    if not eval_batches:
+        raise DatasetLoadError(
+            f"dataset '{section.dataset}' has no held-out sequence of {section.seq_len} tokens "
+            f"(raise --eval-fraction or use a larger corpus)"
+        )
+    if not has_training:
+        raise DatasetLoadError(f"dataset '{section.dataset}' has no training documents")
+    logger.info(
+        "data ready: dataset=%s eval_batches=%d eval_tokens=%d seconds=%.2f",
+        section.dataset,
+        len(eval_batches),
+        sum(batch.numel() for batch in eval_batches),
+        time.perf_counter() - started,
+    )
+    return TextData(
+        eval_batches=eval_batches, section=section, tokenizer=tokenizer, documents=documents, shard_seed=shard_seed
+    )
+
+
+def _eval_batches(
+    documents: datasets.IterableDataset, section: DataSection, tokenizer: transformers.PreTrainedTokenizerBase
+) -> list[torch.Tensor]:
+    """Full batches of the first held-out rows; one smaller batch when there are fewer than batch_size rows."""
+    rows = _pack(_token_ids(_texts(documents, section, held_out=True), tokenizer), section.seq_len)
+    first_rows = list(itertools.islice(rows, section.eval_batches * section.batch_size))
+    keep = len(first_rows) - len(first_rows) % section.batch_size or len(first_rows)
+    return list(_batches(first_rows[:keep], section.batch_size, keep_partial=True))
+
+
+def _open(section: DataSection) -> datasets.IterableDataset:
+    """The unshuffled document stream of a local source or hub dataset."""
+    files = _local_files(section.dataset)
+    if files is None:
+        try:
+            return datasets.load_dataset(section.dataset, section.dataset_config, split="train", streaming=True)
+        except _LOAD_ERRORS as error:
+            raise DatasetLoadError(
+                f"dataset '{section.dataset}' could not be loaded from the Hugging Face hub (offline?): "
+                f"{_first_line(error)}"
+            ) from error
+    builder = _builder(section.dataset, files)
+    options = {"sample_by": "paragraph"} if builder == "text" else {}
+    try:
+        return datasets.load_dataset(builder, data_files=files, split="train", streaming=True, **options)
+    except _LOAD_ERRORS as error:
+        raise DatasetLoadError(f"dataset '{section.dataset}' could not be read: {_first_line(error)}") from error
+
+
+def _local_files(spec: str) -> list[str] | None:
+    """Sorted files of a local glob, directory or file; None for a hub name; DatasetLoadError if missing."""
+    path = Path(spec).expanduser()
+    if glob.has_magic(spec):
+        files = sorted(p for p in glob.glob(str(path), recursive=True) if Path(p).is_file())
+    elif path.is_dir():
+        files = sorted(
+            str(p)
+            for p in path.rglob("*")
+            if p.is_file() and p.suffix.lower() in _BUILDERS and not _hidden(p.relative_to(path))
+        )
+    elif path.is_file():
+        files = [str(path)]
+    elif looks_local(spec) or path.suffix.lower() in _BUILDERS:
+        raise DatasetLoadError(f"dataset path '{spec}' does not exist")
+    else:
+        return None
+    if not files:
+        raise DatasetLoadError(f"dataset path '{spec}' has no {'/'.join(_BUILDERS)} files")
+    return files
+
+
+def _hidden(relative: Path) -> bool:
+    return any(part.startswith(".") for part in relative.parts)
+
+
+def _builder(spec: str, files: list[str]) -> str:
+    """The one ``datasets`` builder for all files; DatasetLoadError for unsupported or mixed types."""
+    suffixes = {Path(file).suffix.lower() for file in files}
+    unsupported = sorted(suffixes - _BUILDERS.keys())
+    if unsupported:
+        raise DatasetLoadError(
+            f"dataset '{spec}': unsupported file type '{unsupported[0]}' (use {', '.join(_BUILDERS)})"
+        )
+    builders = {_BUILDERS[suffix] for suffix in suffixes}
+    if len(builders) > 1:
+        raise DatasetLoadError(f"dataset '{spec}' mixes file types {sorted(suffixes)}: use one kind")
+    return builders.pop()
+
+
+def _texts(documents: Iterable[dict], section: DataSection, held_out: bool) -> Iterator[str]:
+    """Stripped non-blank documents of the held-out (or training) side, in stream order."""
+    for example in documents:
+        if section.text_column not in example:
+            columns = ", ".join(list(example)[:8]) + (", ..." if len(example) > 8 else "")
+            raise DatasetLoadError(
+                f"dataset '{section.dataset}' has no column '{section.text_column}' "
+                f"(columns: {columns}; set --text-column)"
+            )
+        text = example[section.text_column]
+        if not isinstance(text, str) or not text.strip():
+            continue
+        text = text.strip()
+        if is_held_out(text, section.eval_fraction) == held_out:
+            yield text
+
+
+def _token_ids(texts: Iterator[str], tokenizer: transformers.PreTrainedTokenizerBase) -> Iterator[list[int]]:
+    """Token ids of each document followed by eos (tokenized in chunks for speed)."""
+    eos = tokenizer.eos_token_id
+    while chunk := list(itertools.islice(texts, _TOKENIZE_CHUNK)):
+        for ids in tokenizer(chunk, add_special_tokens=False, verbose=False)["input_ids"]:
+            yield ids + [eos]
+
+
+def _pack(documents: Iterator[list[int]], seq_len: int) -> Iterator[list[int]]:
+    """Concatenate documents and cut rows of exactly ``seq_len`` tokens (a final shorter rest is dropped)."""
+    buffer: list[int] = []
+    for ids in documents:
+        buffer.extend(ids)
+        full = len(buffer) // seq_len
+        for row in range(full):
+            yield buffer[row * seq_len : (row + 1) * seq_len]
+        buffer = buffer[full * seq_len :]
+
+
+def _batches(rows: Iterable[list[int]], batch_size: int, keep_partial: bool) -> Iterator[torch.Tensor]:
+    rows = iter(rows)
+    while batch := list(itertools.islice(rows, batch_size)):
+        if len(batch) < batch_size and not keep_partial:
+            return
+        yield torch.tensor(batch, dtype=torch.long)
+
+
+def _epoch_seed(shard_seed: int, epoch: int) -> int:
+    """A 32-bit shuffle seed derived from the peer's shard seed and the epoch."""
+    digest = hashlib.blake2b(f"{shard_seed}:{epoch}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "big")
+
+
+def _first_line(error: BaseException) -> str:
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[0] if lines else type(error).__name__

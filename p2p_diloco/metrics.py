@@ -1,0 +1,171 @@
+"""What a learning unit reports: a JSONL event log, console progress bars, throughput and log format."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+
+from tqdm import tqdm
+from transformers.utils import logging as transformers_logging
+
+FieldValue = float | int | str | None
+
+_LOG_FORMAT = "%(asctime)s.%(msecs)03d %(levelname)s %(name)s: %(message)s"
+_LOG_DATE_FORMAT = "%Y-%m-%dT%H:%M:%S"
+_HANDLER_NAME = "p2p_diloco"
+
+
+class MetricsLog:
+    """Append-only JSONL file: one ``{"time": unix_seconds, "event": str, ...fields}`` object per line.
+
+    Lines are flushed as written (a killed process loses at most the line being written), writes from
+    several threads do not interleave, and non-finite floats are written as ``null`` so every line is
+    strict JSON. Writing after :meth:`close` raises ValueError.
+    """
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = self.path.open("a", buffering=1, encoding="utf-8")
+        self._lock = threading.Lock()
+
+    def write(self, event: str, /, **fields: FieldValue) -> None:
+        """Append one event. Raises ValueError if a field is named ``time`` or ``event``."""
+        if "time" in fields or "event" in fields:
+            raise ValueError("metric fields must not be named 'time' or 'event'")
+        record = {"time": time.time(), "event": event, **{name: _finite(value) for name, value in fields.items()}}
+        line = json.dumps(record, allow_nan=False) + "\n"
+        with self._lock:
+            self._file.write(line)
+
+    def close(self) -> None:
+        """Close the file; idempotent."""
+        with self._lock:
+            self._file.close()
+
+    def __enter__(self) -> MetricsLog:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+def _finite(value: FieldValue) -> FieldValue:
+    return None if isinstance(value, float) and not math.isfinite(value) else value
+
+
+class ProgressBars:
+    """Two console bars: inner steps (postfix: loss, tokens/s) and outer rounds (postfix: group size, eval loss).
+
+    With ``enabled=False`` no bar is created and every method is a no-op.
+    """
+
+    def __init__(self, total_inner_steps: int | None, enabled: bool):
+        self._inner: tqdm | None = None
+        self._outer: tqdm | None = None
+        self._eval_loss: float | None = None
+        if enabled:
+            self._inner = tqdm(total=total_inner_steps, desc="inner steps", unit="step", position=0, dynamic_ncols=True)
+            self._outer = tqdm(desc="outer rounds", unit="round", position=1, dynamic_ncols=True)
+
+    def inner_step(self, loss: float, tokens_per_s: float) -> None:
+        """Advance the inner-step bar by one."""
+        if self._inner is not None:
+            self._inner.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:.0f}", refresh=False)
+            self._inner.update(1)
+
+    def outer_round(self, group_size: int, eval_loss: float | None) -> None:
+        """Advance the outer-round bar by one; ``eval_loss`` None keeps the last one shown."""
+        if self._outer is not None:
+            self._eval_loss = eval_loss if eval_loss is not None else self._eval_loss
+            postfix: dict[str, int | str] = {"group": group_size}
+            if self._eval_loss is not None:
+                postfix["eval_loss"] = f"{self._eval_loss:.4f}"
+            self._outer.set_postfix(postfix, refresh=False)
+            self._outer.update(1)
+
+    def close(self) -> None:
+        """Close both bars; idempotent."""
+        for bar in (self._inner, self._outer):
+            if bar is not None:
+                bar.close()
+
+
+@dataclass
+class Throughput:
+    """Exponential moving averages of tokens per inner step and seconds per inner step.
+
+    ``smoothing`` is the weight of the newest sample (1 = no averaging); the first sample is taken as is.
+    """
+
+    smoothing: float = 0.1
+    _tokens: float | None = field(default=None, init=False, repr=False)
+    _seconds: float | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.smoothing <= 1.0:
+            raise ValueError(f"smoothing must be in (0, 1], got {self.smoothing}")
+
+    def add(self, tokens: int, seconds: float) -> None:
+        """Record one step. Raises ValueError for negative tokens or non-positive/non-finite seconds."""
+        if tokens < 0 or not math.isfinite(seconds) or seconds <= 0:
+            raise ValueError(f"need tokens >= 0 and finite seconds > 0, got tokens={tokens}, seconds={seconds}")
+        if self._tokens is None or self._seconds is None:
+            self._tokens, self._seconds = float(tokens), seconds
+        else:
+            self._tokens += self.smoothing * (tokens - self._tokens)
+            self._seconds += self.smoothing * (seconds - self._seconds)
+
+    @property
+    def tokens_per_s(self) -> float | None:
+        """Averaged tokens / averaged seconds; None before the first sample."""
+        if self._tokens is None or self._seconds is None:
+            return None
+        return self._tokens / self._seconds
+
+    @property
+    def step_time_s(self) -> float | None:
+        """Averaged seconds per inner step (sizes timeouts); None before the first sample."""
+        return self._seconds
+
+
+def configure_logging(level: str = "INFO") -> None:
+    """Log ``time level name: message`` lines to stderr through the root logger at ``level``.
+
+    hivemind's own handler is detached so its records go through the same root handler, and the
+    ``hivemind`` loggers are held at WARNING unless ``level`` is DEBUG. Calling again replaces the
+    handler installed by the previous call. Raises ValueError for an unknown level name.
+    """
+    from hivemind.utils.logging import use_hivemind_log_handler  # importing hivemind installs its handler
+
+    numeric_level = logging.getLevelNamesMapping().get(level.upper())
+    if numeric_level is None:
+        raise ValueError(f"unknown log level {level!r}")
+    use_hivemind_log_handler("nowhere")
+    root = logging.getLogger()
+    for handler in [handler for handler in root.handlers if handler.get_name() == _HANDLER_NAME]:
+        root.removeHandler(handler)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.set_name(_HANDLER_NAME)
+    handler.setFormatter(logging.Formatter(_LOG_FORMAT, datefmt=_LOG_DATE_FORMAT))
+    handler.setLevel(numeric_level)
+    root.addHandler(handler)
+    root.setLevel(numeric_level)
+    hivemind_level = logging.NOTSET if numeric_level <= logging.DEBUG else max(numeric_level, logging.WARNING)
+    logging.getLogger("hivemind").setLevel(hivemind_level)
+    logging.getLogger("hivemind.averaging.averager").addFilter(_drop_expected_solo_rounds)
+    transformers_logging.set_verbosity_error()
+
+
+def _drop_expected_solo_rounds(record: logging.LogRecord) -> bool:
+    """hivemind logs a traceback at ERROR when nobody joined a round; for a unit alone that is expected."""
+    return "could not find a group" not in record.getMessage()

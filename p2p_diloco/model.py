@@ -1,0 +1,239 @@
+"""Load the trained causal LM and its tokenizer from a :class:`ModelSection`, and export the result.
+
+Two sources (exactly one is configured):
+
+* ``model``: pretrained weights, a Hugging Face hub name or a local directory, optionally a GGUF file inside
+  it (``gguf_file``; weights are dequantised on load).
+* ``model_config_path``: pre-training from a config (hub name, directory or ``config.json``); the weights
+  are initialised under ``torch.manual_seed(seed)``, so every peer with the same seed starts from identical
+  weights (built in float32 on the CPU, then cast and moved, so the dtype and device do not change them).
+
+Every loading failure raises :class:`ModelLoadError` with one line for the user. A name that cannot be a
+hub repository id (starts with ``.``, ``/`` or ``~``, has more than one ``/``, or its first folder exists
+here) and does not exist fails at once; other names go to the hub, which fails at once under
+``HF_HUB_OFFLINE=1`` (otherwise after the hub client's own retries).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import logging
+import re
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeVar
+
+import torch
+import transformers
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from p2p_diloco.config import ModelSection
+
+logger = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+# Hub repository ids: "name" or "owner/name" (huggingface_hub's validation rule, without the length cap).
+_REPO_ID = re.compile(r"^(?:[\w\-.]+/)?[\w\-.]+$")
+# What from_pretrained raises for missing, unreachable or unreadable sources.
+_LOAD_ERRORS = (OSError, ValueError, KeyError, ImportError, RuntimeError)
+
+
+class ModelLoadError(RuntimeError):
+    """The model or tokenizer cannot be loaded; the message is one line meant for the user."""
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to train (on ``device``, configured dtype, train mode) with its tokenizer.
+
+    ``tokenizer`` always has a pad token. ``fingerprint`` identifies the architecture (see
+    :func:`model_fingerprint`): peers may only average parameters when their fingerprints match.
+    """
+
+    model: transformers.PreTrainedModel
+    tokenizer: transformers.PreTrainedTokenizerBase
+    device: torch.device
+    fingerprint: str
+
+
+def resolve_device(choice: str) -> torch.device:
+    """``auto`` → CUDA when available, else CPU. Raises ModelLoadError for ``cuda`` without CUDA."""
+    if choice == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if choice == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError("device 'cuda' requested but CUDA is not available (use --device cpu or auto)")
+    return torch.device(choice)
+
+
+def model_fingerprint(model: torch.nn.Module, vocab_size: int) -> str:
+    """16 hex chars of sha256 over the class name, ordered (name, shape) of parameters and the vocab size.
+
+    Independent of dtype, device and values: peers training in bf16 on GPU and fp32 on CPU agree.
+    """
+    digest = hashlib.sha256(type(model).__name__.encode())
+    for name, parameter in model.named_parameters():
+        digest.update(f"{name}:{tuple(parameter.shape)};".encode())
+    digest.update(f"vocab={vocab_size}".encode())
+    return digest.hexdigest()[:16]
+
+
+def looks_local(name: str) -> bool:
+    """True when ``name`` exists here or must be a local path: it starts with ``.``, ``/`` or ``~``, is not a
+    valid hub repository id, or its first folder exists here."""
+    path = Path(name).expanduser()
+    if path.exists() or name.startswith((".", "/", "~")) or not _REPO_ID.match(name):
+        return True
+    return "/" in name and Path(name.split("/", 1)[0]).is_dir()
+
+
+def load_model(section: ModelSection) -> LoadedModel:
+    """Load (``model``) or build (``model_config_path``) the model and its tokenizer, ready to train.
+
+    Raises ModelLoadError (one line) for a missing or unloadable model, config or tokenizer, a tokenizer
+    without pad/eos token, a tokenizer larger than the model's vocabulary, or an unavailable device.
+    """
+    device = resolve_device(section.device)
+    if section.model is not None:
+        model = _pretrained_model(section.model, section.gguf_file)
+        tokenizer_source = section.tokenizer or section.model
+        tokenizer_gguf = section.gguf_file if section.tokenizer is None else None
+    else:
+        assert section.model_config_path is not None  # guaranteed by ModelSection's validator
+        model = _initialised_model(section.model_config_path, section.seed)
+        tokenizer_source = section.tokenizer or _config_dir(section.model_config_path)
+        tokenizer_gguf = None
+    tokenizer = _load_tokenizer(tokenizer_source, tokenizer_gguf)
+    _check_vocab(model, tokenizer)
+    model = model.to(device=device, dtype=getattr(torch, section.dtype))
+    model.train()
+    fingerprint = model_fingerprint(model, len(tokenizer))
+    logger.info(
+        "model ready: params=%d dtype=%s device=%s fingerprint=%s",
+        sum(p.numel() for p in model.parameters()),
+        section.dtype,
+        device,
+        fingerprint,
+    )
+    return LoadedModel(model=model, tokenizer=tokenizer, device=device, fingerprint=fingerprint)
+
+
+def export_pretrained(
+    model: transformers.PreTrainedModel, tokenizer: transformers.PreTrainedTokenizerBase, save_dir: Path
+) -> Path:
+    """Write ``save_pretrained`` of the model and tokenizer to ``save_dir``; return ``save_dir``.
+
+    The files are written into a temporary sibling folder that replaces ``save_dir`` only once complete:
+    on any failure the previous ``save_dir`` (if any) is left untouched, no partial folder remains, and the
+    error propagates. GGUF-loaded models (which refuse ``save_pretrained``) are saved as plain weights.
+    """
+    save_dir = Path(save_dir)
+    save_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{save_dir.name}.tmp-", dir=save_dir.parent))
+    try:
+        _serializable(model).save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        _replace_dir(staging, save_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    logger.info("model exported: save_dir=%s", save_dir)
+    return save_dir
+
+
+def _pretrained_model(name: str, gguf_file: str | None) -> transformers.PreTrainedModel:
+    """from_pretrained in float32 (cast later), wrapping failures in ModelLoadError."""
+    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    return _load("model", name, lambda: AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32, **kwargs))
+
+
+def _initialised_model(config_path: str, seed: int) -> transformers.PreTrainedModel:
+    """from_config with weights drawn under ``seed`` (fp32, CPU); the global RNG state is left untouched."""
+    config = _load("model config", config_path, lambda: AutoConfig.from_pretrained(config_path))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def _config_dir(config_path: str) -> str:
+    """The folder of a local config.json, else the source itself (a directory or hub name)."""
+    path = Path(config_path).expanduser()
+    return str(path.parent) if path.is_file() else config_path
+
+
+def _load_tokenizer(source: str, gguf_file: str | None) -> transformers.PreTrainedTokenizerBase:
+    """AutoTokenizer with a pad token (eos when it has none); ModelLoadError when impossible."""
+    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    tokenizer = _load("tokenizer", source, lambda: AutoTokenizer.from_pretrained(source, **kwargs))
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ModelLoadError(f"tokenizer '{source}' has neither a pad nor an eos token")
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def _check_vocab(model: transformers.PreTrainedModel, tokenizer: transformers.PreTrainedTokenizerBase) -> None:
+    """Every token id of the tokenizer must index the model's input embeddings."""
+    rows = model.get_input_embeddings().num_embeddings
+    if len(tokenizer) > rows:
+        raise ModelLoadError(
+            f"tokenizer has {len(tokenizer)} tokens but the model's embedding has only {rows} rows "
+            "(use the tokenizer the model was built for)"
+        )
+
+
+def _load(what: str, name: str, loader: Callable[[], _T]) -> _T:
+    """Run a from_pretrained-style ``loader`` for ``what`` named ``name``; failures → one-line ModelLoadError."""
+    local = looks_local(name)
+    if local and not Path(name).expanduser().exists():
+        raise ModelLoadError(f"{what} '{name}' not found: no such local file or directory")
+    if not local:
+        logger.info("%s '%s' is not a local path: loading it from the Hugging Face hub", what, name)
+    try:
+        return loader()
+    except _LOAD_ERRORS as error:
+        logger.debug("loading %s %r failed", what, name, exc_info=True)
+        if local:
+            raise ModelLoadError(f"{what} '{name}' could not be loaded: {_first_line(error)}") from error
+        raise ModelLoadError(
+            f"{what} '{name}' not found: not a local directory and not loadable from the Hugging Face hub "
+            f"(offline?): {_first_line(error)}"
+        ) from error
+
+
+def _first_line(error: BaseException) -> str:
+    """The first non-empty line of an exception message (or its type name)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[0] if lines else type(error).__name__
+
+
+def _serializable(model: transformers.PreTrainedModel) -> transformers.PreTrainedModel:
+    """The model itself, or for a GGUF-loaded one (dequantised, but refusing save_pretrained) a plain copy."""
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is None or quantizer.is_serializable():
+        return model
+    config = copy.deepcopy(model.config)
+    if hasattr(config, "quantization_config"):
+        delattr(config, "quantization_config")
+    plain = AutoModelForCausalLM.from_config(config, dtype=model.dtype)
+    plain.load_state_dict(model.state_dict())
+    return plain
+
+
+def _replace_dir(complete: Path, target: Path) -> None:
+    """Rename ``complete`` to ``target``; an existing ``target`` is moved aside first and deleted after."""
+    if not target.exists():
+        complete.rename(target)
+        return
+    backup = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+    backup.rmdir()
+    target.rename(backup)
+    try:
+        complete.rename(target)
+    except BaseException:
+        backup.rename(target)
+        raise
+    shutil.rmtree(backup, ignore_errors=True)

@@ -1,0 +1,175 @@
+"""Metrics: JSONL event log, progress bars, throughput averages, log format."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from p2p_diloco.metrics import MetricsLog, ProgressBars, Throughput, configure_logging
+
+
+def _lines(path: Path) -> list[dict[str, object]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_metrics_log_writes_one_json_object_per_line(tmp_path: Path) -> None:
+    path = tmp_path / "deep" / "metrics.jsonl"
+    before = time.time()
+    with MetricsLog(path) as log:
+        log.write("inner_step", step=1, loss=2.5, peer="abc", eval_loss=None)
+        assert _lines(path)[0]["step"] == 1, "lines are flushed as they are written"
+        log.write("outer_round", group_size=3)
+    records = _lines(path)
+    assert [record["event"] for record in records] == ["inner_step", "outer_round"]
+    first = {key: value for key, value in records[0].items() if key != "time"}
+    assert first == {"event": "inner_step", "step": 1, "loss": 2.5, "peer": "abc", "eval_loss": None}
+    assert before <= records[0]["time"] <= records[1]["time"] <= time.time()
+
+
+def test_metrics_log_appends_and_writes_strict_json(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    with MetricsLog(path) as log:
+        log.write("a", loss=float("nan"))
+    with MetricsLog(path) as log:
+        log.write("b", loss=float("inf"))
+    records = [json.loads(line, parse_constant=pytest.fail) for line in path.read_text().splitlines()]
+    assert [(record["event"], record["loss"]) for record in records] == [("a", None), ("b", None)]
+
+
+def test_metrics_log_rejects_reserved_fields_and_writes_after_close(tmp_path: Path) -> None:
+    log = MetricsLog(tmp_path / "metrics.jsonl")
+    with pytest.raises(ValueError):
+        log.write("x", time=1.0)
+    with pytest.raises(ValueError):
+        log.write("x", event="y")
+    log.close()
+    log.close()
+    with pytest.raises(ValueError):
+        log.write("x")
+
+
+def test_metrics_log_lines_from_threads_do_not_interleave(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    with MetricsLog(path) as log:
+        def writer(name: str) -> None:
+            for index in range(200):
+                log.write("step", writer=name, index=index, padding="x" * 500)
+
+        threads = [threading.Thread(target=writer, args=(str(number),)) for number in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    records = _lines(path)
+    assert len(records) == 800
+    for name in "0123":
+        assert [record["index"] for record in records if record["writer"] == name] == list(range(200))
+
+
+def test_progress_bars_show_postfix(capsys: pytest.CaptureFixture[str]) -> None:
+    bars = ProgressBars(total_inner_steps=10, enabled=True)
+    bars.inner_step(loss=3.14159, tokens_per_s=1234.4)
+    bars.outer_round(group_size=3, eval_loss=2.5)
+    bars.outer_round(group_size=2, eval_loss=None)
+    bars.close()
+    bars.close()
+    err = capsys.readouterr().err
+    assert "loss=3.1416" in err and "tok_s=1234" in err
+    assert "1/10" in err
+    assert err.rstrip().splitlines()[-1].endswith("group=2, eval_loss=2.5000]"), "the last eval loss stays shown"
+
+
+def test_disabled_progress_bars_print_nothing(capsys: pytest.CaptureFixture[str]) -> None:
+    bars = ProgressBars(total_inner_steps=None, enabled=False)
+    bars.inner_step(loss=1.0, tokens_per_s=1.0)
+    bars.outer_round(group_size=1, eval_loss=1.0)
+    bars.close()
+    assert capsys.readouterr() == ("", "")
+
+
+def test_throughput_is_none_before_any_sample() -> None:
+    throughput = Throughput()
+    assert throughput.tokens_per_s is None
+    assert throughput.step_time_s is None
+
+
+def test_throughput_moving_average() -> None:
+    throughput = Throughput(smoothing=0.5)
+    throughput.add(tokens=100, seconds=1.0)
+    assert throughput.step_time_s == 1.0
+    assert throughput.tokens_per_s == 100.0
+    throughput.add(tokens=300, seconds=2.0)
+    assert throughput.step_time_s == pytest.approx(1.5)
+    assert throughput.tokens_per_s == pytest.approx(200 / 1.5)
+    throughput.add(tokens=0, seconds=0.5)
+    assert throughput.step_time_s == pytest.approx(1.0)
+
+
+def test_throughput_converges_to_a_steady_rate() -> None:
+    throughput = Throughput()
+    throughput.add(tokens=10, seconds=10.0)
+    for _ in range(200):
+        throughput.add(tokens=1000, seconds=0.25)
+    assert throughput.step_time_s == pytest.approx(0.25, rel=1e-6)
+    assert throughput.tokens_per_s == pytest.approx(4000, rel=1e-6)
+
+
+@pytest.mark.parametrize("tokens, seconds", [(-1, 1.0), (1, 0.0), (1, -1.0), (1, float("nan")), (1, float("inf"))])
+def test_throughput_rejects_bad_samples(tokens: int, seconds: float) -> None:
+    with pytest.raises(ValueError):
+        Throughput().add(tokens, seconds)
+
+
+@pytest.mark.parametrize("smoothing", [0.0, -0.1, 1.5])
+def test_throughput_rejects_bad_smoothing(smoothing: float) -> None:
+    with pytest.raises(ValueError):
+        Throughput(smoothing=smoothing)
+
+
+@pytest.fixture
+def restore_logging() -> Iterator[None]:
+    from hivemind.utils.logging import use_hivemind_log_handler
+
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
+    use_hivemind_log_handler("in_hivemind")
+
+
+@pytest.mark.usefixtures("restore_logging")
+def test_configure_logging_format_and_quiet_hivemind(capsys: pytest.CaptureFixture[str]) -> None:
+    configure_logging("INFO")
+    configure_logging("info")
+    logging.getLogger("p2p_diloco.test").info("hello %s", "world")
+    logging.getLogger("p2p_diloco.test").debug("hidden")
+    logging.getLogger("hivemind.averaging").info("chatty")
+    logging.getLogger("hivemind.averaging").warning("important")
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 2, lines
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3} INFO p2p_diloco\.test: hello world", lines[0])
+    assert lines[1].endswith(" hivemind.averaging: important")
+
+
+@pytest.mark.usefixtures("restore_logging")
+def test_configure_logging_debug_shows_hivemind_and_error_hides_warnings(capsys: pytest.CaptureFixture[str]) -> None:
+    configure_logging("DEBUG")
+    logging.getLogger("hivemind.dht").debug("details")
+    assert capsys.readouterr().err.endswith("DEBUG hivemind.dht: details\n")
+    configure_logging("ERROR")
+    logging.getLogger("hivemind.dht").warning("not shown")
+    logging.getLogger("p2p_diloco").warning("not shown")
+    assert capsys.readouterr().err == ""
+
+
+def test_configure_logging_rejects_unknown_level() -> None:
+    with pytest.raises(ValueError):
+        configure_logging("LOUD")
