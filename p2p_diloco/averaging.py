@@ -24,8 +24,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from concurrent.futures import InvalidStateError
 from collections.abc import Sequence
+from concurrent.futures import InvalidStateError
 from dataclasses import dataclass
 
 import hivemind

@@ -21,10 +21,12 @@ from typing import Any
 
 import torch
 
+from p2p_diloco.errors import UserError
+
 CHECKPOINT_FORMAT = 1
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError):
     """A checkpoint exists but cannot be used; the message is one line naming the file."""
 
 

@@ -12,25 +12,18 @@ import sys
 from pathlib import Path
 
 from p2p_diloco.config import ConfigError, add_config_arguments, load_config, load_network_section
+from p2p_diloco.errors import UserError
 
 logger = logging.getLogger("p2p_diloco")
-
-USER_ERRORS = (
-    "ConfigError",
-    "ModelLoadError",
-    "DatasetLoadError",
-    "NetworkError",
-    "JoinError",
-    "CheckpointError",
-)
-
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="p2p-diloco", description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    bootstrap = commands.add_parser("bootstrap", help="run a DHT node that helps peers find each other", allow_abbrev=False)
+    bootstrap = commands.add_parser(
+        "bootstrap", help="run a DHT node that helps peers find each other", allow_abbrev=False
+    )
     add_config_arguments(bootstrap, sections=("network",))
     bootstrap.set_defaults(handler=_bootstrap)
 
@@ -54,14 +47,16 @@ def _bootstrap(args: argparse.Namespace) -> int:
     from p2p_diloco.bootstrap_node import run_bootstrap
     from p2p_diloco.lifecycle import install_stop_signals
 
-    network = load_network_section(args)
-    if network.identity_path is None:
-        network = network.model_copy(update={"identity_path": "bootstrap.key"})
-    return run_bootstrap(network, stop=install_stop_signals())
+    return run_bootstrap(load_network_section(args), stop=install_stop_signals())
 
 
 def _join(args: argparse.Namespace) -> int:
-    from p2p_diloco.lifecycle import ensure_fork_start_method, install_stop_signals, own_process_group, start_orphan_reaper
+    from p2p_diloco.lifecycle import (
+        ensure_fork_start_method,
+        install_stop_signals,
+        own_process_group,
+        start_orphan_reaper,
+    )
     from p2p_diloco.peer import run_peer
 
     config = load_config(args)
@@ -93,11 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         configure_logging(args.log_level)
         return args.handler(args)
-    except Exception as error:
-        if type(error).__name__ in USER_ERRORS or isinstance(error, ValueError):
-            print(f"error: {error}", file=sys.stderr)
-            return 2
-        raise
+    except UserError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

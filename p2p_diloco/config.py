@@ -15,8 +15,10 @@ from typing import Any, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from p2p_diloco.errors import UserError
 
-class ConfigError(ValueError):
+
+class ConfigError(UserError, ValueError):
     """A configuration value is invalid; the message is one line meant for the user."""
 
 
@@ -39,7 +41,7 @@ class ModelSection(_Section):
     seed: int = Field(0, description="seed of the initial weights (identical on every peer) and of data order")
 
     @model_validator(mode="after")
-    def _one_source(self) -> "ModelSection":
+    def _one_source(self) -> ModelSection:
         if (self.model is None) == (self.model_config_path is None):
             raise ValueError("give exactly one of --model (pretrained weights) or --model-config (pre-train)")
         return self
@@ -80,7 +82,7 @@ class OuterSection(_Section):
     sync_momentum: bool = Field(True, description="average the outer momentum with the parameters (2x bytes)")
 
     @model_validator(mode="after")
-    def _grace_bounds(self) -> "OuterSection":
+    def _grace_bounds(self) -> OuterSection:
         if self.min_grace_s > self.max_grace_s:
             raise ValueError("--min-grace-s must not exceed --max-grace-s")
         if self.quorum > self.target_group_size:
@@ -162,7 +164,9 @@ def add_config_arguments(parser: argparse.ArgumentParser, sections: tuple[str, .
         section = SECTIONS[section_name]
         group = parser.add_argument_group(section_name)
         for name, field in section.model_fields.items():
-            kwargs: dict[str, Any] = dict(dest=f"{section_name}.{name}", default=argparse.SUPPRESS, help=field.description)
+            kwargs: dict[str, Any] = dict(
+                dest=f"{section_name}.{name}", default=argparse.SUPPRESS, help=field.description
+            )
             if _is_bool(field.annotation):
                 kwargs["action"] = argparse.BooleanOptionalAction
             elif _is_list(field.annotation):

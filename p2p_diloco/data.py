@@ -37,6 +37,7 @@ import torch
 import transformers
 
 from p2p_diloco.config import DataSection
+from p2p_diloco.errors import UserError
 from p2p_diloco.model import looks_local
 
 logger = logging.getLogger(__name__)
@@ -48,7 +49,7 @@ _BUILDERS = {".txt": "text", ".md": "text", ".rst": "text", ".json": "json", ".j
 _LOAD_ERRORS = (OSError, ValueError, KeyError, ImportError, RuntimeError, datasets.exceptions.DatasetGenerationError)
 
 
-class DatasetLoadError(RuntimeError):
+class DatasetLoadError(UserError):
     """The dataset cannot be loaded or used; the message is one line meant for the user."""
 
 
@@ -93,9 +94,7 @@ def is_held_out(text: str, eval_fraction: float) -> bool:
     return int.from_bytes(digest, "big") < eval_fraction * 2**64
 
 
-def load_text_data(
-    section: DataSection, tokenizer: transformers.PreTrainedTokenizerBase, shard_seed: int
-) -> TextData:
+def load_text_data(section: DataSection, tokenizer: transformers.PreTrainedTokenizerBase, shard_seed: int) -> TextData:
     """Open the dataset, build the evaluation batches and check that training documents exist.
 
     Raises DatasetLoadError (one line) for a missing path, an unsupported or mixed file type, a hub dataset

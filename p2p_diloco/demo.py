@@ -35,31 +35,57 @@ class PeerSummary:
 
 
 def peer_command(initial_peer: str, work_dir: Path, duration_s: float, run_id: str = "demo") -> list[str]:
-    """The ``p2p-diloco join`` command line of one demo unit."""
+    """The ``p2p-diloco join`` command line of one demo unit (later flags override earlier ones)."""
     return [
-        sys.executable, "-m", "p2p_diloco.cli", "join",
-        "--run-id", run_id,
-        "--initial-peers", initial_peer,
-        "--model-config", str(TINY_MODEL),
-        "--dataset", str(CORPUS),
-        "--seq-len", "64",
-        "--batch-size", "8",
-        "--inner-lr", "3e-3",
-        "--inner-steps", "20",
-        "--max-time-s", str(duration_s),
-        "--work-dir", str(work_dir),
-        "--save-dir", str(work_dir / "model"),
-        "--threads", "1",
+        sys.executable,
+        "-m",
+        "p2p_diloco.cli",
+        "join",
+        "--run-id",
+        run_id,
+        "--initial-peers",
+        initial_peer,
+        "--model-config",
+        str(TINY_MODEL),
+        "--dataset",
+        str(CORPUS),
+        "--seq-len",
+        "64",
+        "--batch-size",
+        "8",
+        "--inner-lr",
+        "3e-3",
+        "--inner-steps",
+        "20",
+        "--max-time-s",
+        str(duration_s),
+        "--work-dir",
+        str(work_dir),
+        "--save-dir",
+        str(work_dir / "model"),
+        "--threads",
+        "1",
         "--no-progress",
     ]
 
 
-def start_bootstrap(work_dir: Path) -> tuple[subprocess.Popen, str]:
+def start_bootstrap(work_dir: Path, initial_peers: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
     """Start ``p2p-diloco bootstrap`` on 127.0.0.1 and return it with the first multiaddr it prints."""
     work_dir.mkdir(parents=True, exist_ok=True)
+    command = [
+        sys.executable,
+        "-m",
+        "p2p_diloco.cli",
+        "bootstrap",
+        "--identity-path",
+        str(work_dir / "bootstrap.key"),
+        "--host-maddrs",
+        "/ip4/127.0.0.1/tcp/0",
+    ]
+    if initial_peers:
+        command += ["--initial-peers", *initial_peers]
     process = subprocess.Popen(
-        [sys.executable, "-m", "p2p_diloco.cli", "bootstrap", "--identity-path", str(work_dir / "bootstrap.key"),
-         "--host-maddrs", "/ip4/127.0.0.1/tcp/0"],
+        command,
         stdout=subprocess.PIPE,
         stderr=open(work_dir / "bootstrap.log", "w"),
         text=True,
@@ -115,7 +141,8 @@ def format_summary(summaries: list[PeerSummary]) -> str:
         return "n/a" if value is None else f"{value:.3f}"
 
     lines = [
-        "| peer | exit | inner steps | outer rounds | mean group size | eval loss before | eval loss after | MiB sent (est.) |",
+        "| peer | exit | inner steps | outer rounds | mean group size "
+        "| eval loss before | eval loss after | MiB sent (est.) |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for summary in summaries:

@@ -36,7 +36,10 @@ class OuterHyperparams:
 def pseudo_gradient(global_params: Sequence[torch.Tensor], local_params: Sequence[torch.Tensor]) -> Tensors:
     """Δ = φ − θ in φ's dtype and on φ's device. Raises ValueError if the two lists do not match."""
     _check_same_shapes(global_params, local_params)
-    return [phi.detach() - theta.detach().to(device=phi.device, dtype=phi.dtype) for phi, theta in zip(global_params, local_params)]
+    return [
+        phi.detach() - theta.detach().to(device=phi.device, dtype=phi.dtype)
+        for phi, theta in zip(global_params, local_params)
+    ]
 
 
 def outer_step(

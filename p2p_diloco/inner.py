@@ -67,7 +67,9 @@ class InnerTrainer:
     def evaluate(self, batches: Sequence[torch.Tensor]) -> float:
         """Mean loss over held-out batches with the current parameters."""
         self.model.eval()
-        losses = [float(self.model(input_ids=batch.to(self.device), labels=batch.to(self.device)).loss) for batch in batches]
+        losses = [
+            float(self.model(input_ids=batch.to(self.device), labels=batch.to(self.device)).loss) for batch in batches
+        ]
         self.model.train()
         return sum(losses) / len(losses)
 

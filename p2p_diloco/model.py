@@ -32,6 +32,7 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from p2p_diloco.config import ModelSection
+from p2p_diloco.errors import UserError
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +43,7 @@ _REPO_ID = re.compile(r"^(?:[\w\-.]+/)?[\w\-.]+$")
 _LOAD_ERRORS = (OSError, ValueError, KeyError, ImportError, RuntimeError)
 
 
-class ModelLoadError(RuntimeError):
+class ModelLoadError(UserError):
     """The model or tokenizer cannot be loaded; the message is one line meant for the user."""
 
 

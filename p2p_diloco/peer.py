@@ -67,7 +67,9 @@ def run_peer(config: PeerConfig, stop: threading.Event) -> None:
         metrics = owned.enter_context(MetricsLog(Path(config.run.work_dir) / "metrics.jsonl"))
         unit = LearningUnit(config, loaded, data, averager, state_server, records, peer_id, metrics)
         source = unit.join()
-        metrics.write("join", peer_id=peer_id, source=source, outer_round=unit.outer_round, fingerprint=loaded.fingerprint)
+        metrics.write(
+            "join", peer_id=peer_id, source=source, outer_round=unit.outer_round, fingerprint=loaded.fingerprint
+        )
         logger.info("joined run=%s peer_id=%s source=%s outer_round=%d", run_id, peer_id, source, unit.outer_round)
         try:
             unit.run(stop)

@@ -42,7 +42,9 @@ class StateServer:
     Owns a hivemind averager process; call :meth:`shutdown` to stop it.
     """
 
-    def __init__(self, dht: hivemind.DHT, prefix: str, template: Sequence[torch.Tensor], request_timeout_s: float = 3.0):
+    def __init__(
+        self, dht: hivemind.DHT, prefix: str, template: Sequence[torch.Tensor], request_timeout_s: float = 3.0
+    ):
         self._shapes = [tuple(tensor.shape) for tensor in template]
         self._averager = hivemind.DecentralizedAverager(
             averaged_tensors=[torch.zeros(shape) for shape in self._shapes * 2] + [torch.zeros(4, dtype=torch.float64)],
@@ -91,7 +93,9 @@ class StateServer:
             if not isinstance(tensor, torch.Tensor) or tensor.dtype != torch.float32:
                 raise ValueError(f"tensor {index} is not float32")
             if tuple(tensor.shape) != self._shapes[index % count]:
-                raise ValueError(f"tensor {index} has shape {tuple(tensor.shape)}, expected {self._shapes[index % count]}")
+                raise ValueError(
+                    f"tensor {index} has shape {tuple(tensor.shape)}, expected {self._shapes[index % count]}"
+                )
             if not torch.isfinite(tensor).all():
                 raise ValueError(f"tensor {index} has non-finite values")
         counters = tensors[-1]

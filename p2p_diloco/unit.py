@@ -36,6 +36,7 @@ from p2p_diloco.diloco import (
     outer_step,
     pseudo_gradient,
 )
+from p2p_diloco.errors import UserError
 from p2p_diloco.inner import InnerTrainer
 from p2p_diloco.metrics import MetricsLog, ProgressBars, Throughput
 from p2p_diloco.model import LoadedModel, export_pretrained
@@ -48,7 +49,7 @@ PROGRESS_EVERY_S = 2.0
 PROGRESS_TTL_S = 30.0
 
 
-class JoinError(RuntimeError):
+class JoinError(UserError):
     """The unit cannot take part in this swarm; the message is one line for the user."""
 
 
@@ -300,5 +301,9 @@ class LearningUnit:
                 export_pretrained(self.loaded.model, self.loaded.tokenizer, Path(self.config.run.save_dir))
             logger.info("exported the consensus model to %s", self.config.run.save_dir)
         self.metrics.write(
-            "stop", inner_step=self.inner_step, outer_round=self.outer_round, tokens=self.tokens, eval_loss=self.last_eval
+            "stop",
+            inner_step=self.inner_step,
+            outer_round=self.outer_round,
+            tokens=self.tokens,
+            eval_loss=self.last_eval,
         )

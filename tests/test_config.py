@@ -52,8 +52,18 @@ def test_every_field_has_a_flag() -> None:
 
 def test_cli_flags_are_parsed_and_validated() -> None:
     args = _parse(
-        "--model", "gpt2", "--dataset", "d", "--outer-lr", "0.5", "--no-nesterov",
-        "--initial-peers", "/ip4/1.2.3.4/tcp/1/p2p/QmA", "/ip4/1.2.3.5/tcp/1/p2p/QmB", "--max-steps", "10",
+        "--model",
+        "gpt2",
+        "--dataset",
+        "d",
+        "--outer-lr",
+        "0.5",
+        "--no-nesterov",
+        "--initial-peers",
+        "/ip4/1.2.3.4/tcp/1/p2p/QmA",
+        "/ip4/1.2.3.5/tcp/1/p2p/QmB",
+        "--max-steps",
+        "10",
     )
     config = load_config(args)
     assert config.outer.outer_lr == 0.5

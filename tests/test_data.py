@@ -40,8 +40,7 @@ def make_documents(count: int, seed: int = 0) -> list[str]:
     """Distinct multi-line ASCII documents (lossless through byte-level BPE)."""
     rng = random.Random(seed)
     return [
-        f"document {i} begins\n" + " ".join(rng.choice(WORDS) for _ in range(rng.randint(10, 40)))
-        for i in range(count)
+        f"document {i} begins\n" + " ".join(rng.choice(WORDS) for _ in range(rng.randint(10, 40))) for i in range(count)
     ]
 
 
@@ -171,9 +170,10 @@ def test_eval_batches_are_full_or_one_small_batch(tmp_path: Path, tokenizer: Pre
         section = DataSection(
             dataset=str(corpus), seq_len=16, batch_size=batch_size, eval_fraction=eval_fraction, eval_batches=100
         )
-        held_out_rows = sum(
-            len(tokenizer(doc)["input_ids"]) + 1 for doc in make_documents(200) if is_held_out(doc, eval_fraction)
-        ) // 16
+        held_out_rows = (
+            sum(len(tokenizer(doc)["input_ids"]) + 1 for doc in make_documents(200) if is_held_out(doc, eval_fraction))
+            // 16
+        )
         batches = load_text_data(section, tokenizer, shard_seed=0).eval_batches
         if held_out_rows >= batch_size:
             assert len(batches) == held_out_rows // batch_size
@@ -199,4 +199,3 @@ def test_all_documents_held_out_means_no_training_data(tmp_path: Path, tokenizer
     section = DataSection(dataset=str(corpus), seq_len=8, eval_fraction=0.05)
     with pytest.raises(DatasetLoadError, match="has no training documents"):
         load_text_data(section, tokenizer, shard_seed=0)
-

@@ -58,6 +58,7 @@ def test_metrics_log_rejects_reserved_fields_and_writes_after_close(tmp_path: Pa
 def test_metrics_log_lines_from_threads_do_not_interleave(tmp_path: Path) -> None:
     path = tmp_path / "metrics.jsonl"
     with MetricsLog(path) as log:
+
         def writer(name: str) -> None:
             for index in range(200):
                 log.write("step", writer=name, index=index, padding="x" * 500)

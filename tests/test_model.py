@@ -144,9 +144,10 @@ def test_export_round_trips_and_reloads_as_pretrained(tmp_path: Path) -> None:
     assert save_dir == tmp_path / "out" / "final"
     reloaded = AutoModelForCausalLM.from_pretrained(save_dir)
     assert_same_weights(loaded.model, reloaded)
-    assert AutoTokenizer.from_pretrained(save_dir)("Call me Ishmael")["input_ids"] == loaded.tokenizer(
-        "Call me Ishmael"
-    )["input_ids"]
+    assert (
+        AutoTokenizer.from_pretrained(save_dir)("Call me Ishmael")["input_ids"]
+        == loaded.tokenizer("Call me Ishmael")["input_ids"]
+    )
     again = load_model(ModelSection(model=str(save_dir), device="cpu"))
     assert_same_weights(loaded.model, again.model)
     assert again.fingerprint == loaded.fingerprint

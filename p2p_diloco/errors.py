@@ -1,0 +1,9 @@
+"""The base class of errors caused by the user's input or environment (bad config, missing files, bad addresses).
+
+The CLI prints such an error as one ``error: ...`` line and exits with status 2; anything else is a bug and
+keeps its traceback.
+"""
+
+
+class UserError(RuntimeError):
+    """An error whose message is one line meant for the user."""

@@ -1,0 +1,212 @@
+"""Process ownership of a peer: process group, orphan reaper, stop signals, fork start method.
+
+hivemind runs the DHT and the averager in forked processes, each of which spawns a ``p2pd`` daemon. If the main
+process is SIGKILLed they keep serving the swarm as orphans. A peer therefore leads its own process group
+(:func:`own_process_group`) and starts a watchdog (:func:`start_orphan_reaper`) that SIGKILLs the whole group once
+the main process is gone, whatever the cause. Run as ``python -m p2p_diloco.lifecycle PID PGID`` it is that watchdog.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import multiprocessing as mp
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+REAPER_POLL_S = 0.1
+SOCKET_SCAN_EVERY = 20
+_P2PD_SOCKET_RE = re.compile(r"-listen=/unix(/tmp/hivemind-p2pd-([A-Za-z0-9_-]+)\.sock)")
+_stop_event = threading.Event()
+_signals_installed = False
+
+
+def ensure_fork_start_method() -> None:
+    """Make ``fork`` the multiprocessing start method (hivemind's DHT and averager work with nothing else)."""
+    if mp.get_start_method(allow_none=True) != "fork":
+        mp.set_start_method("fork", force=True)
+
+
+def _read_stat(pid: int) -> list[str] | None:
+    """Fields of /proc/PID/stat after the command name (state, ppid, pgrp, ...); None if the process is gone."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    return raw.rsplit(")", 1)[1].split()
+
+
+def _all_pids() -> list[int]:
+    return [int(name) for name in os.listdir("/proc") if name.isdigit()]
+
+
+def is_running(pid: int, start_time: str | None = None) -> bool:
+    """True while PID exists and is not a zombie (and, if given, still has this /proc start time)."""
+    fields = _read_stat(pid)
+    return fields is not None and fields[0] != "Z" and (start_time is None or fields[19] == start_time)
+
+
+def group_pids(pgid: int) -> list[int]:
+    """Live (non-zombie) processes whose process group is PGID."""
+    pids = []
+    for pid in _all_pids():
+        fields = _read_stat(pid)
+        if fields is not None and fields[0] != "Z" and int(fields[2]) == pgid:
+            pids.append(pid)
+    return pids
+
+
+def descendant_pids(pid: int) -> list[int]:
+    """Live descendants of PID (children first-level first), read from /proc."""
+    children: dict[int, list[int]] = {}
+    for other in _all_pids():
+        fields = _read_stat(other)
+        if fields is not None and fields[0] != "Z":
+            children.setdefault(int(fields[1]), []).append(other)
+    found, frontier = [], [pid]
+    while frontier:
+        frontier = [child for parent in frontier for child in children.get(parent, [])]
+        found.extend(frontier)
+    return found
+
+
+def kill_process_tree(pid: int) -> None:
+    """SIGKILL PID and all its live descendants; processes that are already gone are ignored."""
+    for target in [pid, *descendant_pids(pid)]:
+        try:
+            os.kill(target, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def own_process_group() -> None:
+    """Make this process the leader of its own process group, so that its forked children and their p2pd share it.
+
+    No-op when it already leads a group (e.g. started by an interactive shell). If this process was in the
+    terminal's foreground group, it takes the terminal's foreground with it so that Ctrl+C still reaches it, and
+    hands it back to the old group at normal exit.
+    """
+    pid = os.getpid()
+    old_pgid = os.getpgid(0)
+    if old_pgid == pid:
+        return
+    tty_fd = None
+    try:
+        if os.isatty(sys.stdin.fileno()) and os.tcgetpgrp(sys.stdin.fileno()) == old_pgid:
+            tty_fd = sys.stdin.fileno()
+    except (OSError, ValueError, AttributeError):
+        tty_fd = None
+    os.setpgid(0, 0)
+    if tty_fd is not None:
+        _set_foreground(tty_fd, pid)
+        atexit.register(_set_foreground, tty_fd, old_pgid)
+    logger.debug("own_process_group pgid=%d previous_pgid=%d", pid, old_pgid)
+
+
+def _set_foreground(tty_fd: int, pgid: int) -> None:
+    previous = signal.signal(signal.SIGTTOU, signal.SIG_IGN)
+    try:
+        os.tcsetpgrp(tty_fd, pgid)
+    except OSError as error:
+        logger.debug("tcsetpgrp failed pgid=%d error=%s", pgid, error)
+    finally:
+        signal.signal(signal.SIGTTOU, previous)
+
+
+def start_orphan_reaper(poll_s: float = REAPER_POLL_S) -> subprocess.Popen:
+    """Start a watchdog that SIGKILLs this process group as soon as this process is gone (crash, SIGKILL or exit).
+
+    Call :func:`own_process_group` first (raises RuntimeError otherwise: killing a shared group would kill the
+    shell). The watchdog runs in its own session, so terminal signals do not reach it, and exits by itself after
+    the main process is gone. It also removes the ``/tmp/hivemind-*.sock`` files of the group's p2pd daemons.
+    """
+    pid = os.getpid()
+    if os.getpgid(0) != pid:
+        raise RuntimeError("start_orphan_reaper needs own_process_group() first: this process leads no group")
+    fields = _read_stat(pid)
+    assert fields is not None
+    return subprocess.Popen(
+        [sys.executable, "-m", "p2p_diloco.lifecycle", str(pid), fields[19], str(poll_s)],
+        stdin=subprocess.DEVNULL,
+        start_new_session=True,
+        close_fds=True,
+    )
+
+
+def p2pd_sockets(pids: Iterable[int]) -> list[Path]:
+    """Unix socket files of the p2pd daemons among ``pids`` and of their hivemind clients (files may be gone)."""
+    sockets = []
+    for pid in pids:
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            continue
+        for path, uid in _P2PD_SOCKET_RE.findall(cmdline):
+            sockets += [Path(path), Path(f"/tmp/hivemind-p2pclient-{uid}.sock")]
+    return sockets
+
+
+def _reap(pid: int, start_time: str, poll_s: float) -> None:
+    """Watchdog body: wait until PID is gone, then SIGKILL its process group and remove its p2pd sockets."""
+    pgid = pid
+    sockets: list[Path] = []
+    polls = 0
+    while is_running(pid, start_time):
+        if polls % SOCKET_SCAN_EVERY == 0:  # a full /proc scan is ~100x dearer than one stat read
+            sockets = sorted(set(sockets) | set(p2pd_sockets(group_pids(pgid))))
+        polls += 1
+        time.sleep(poll_s)
+    sockets = sorted(set(sockets) | set(p2pd_sockets(group_pids(pgid))))
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    for path in sockets:
+        path.unlink(missing_ok=True)
+
+
+def install_stop_signals() -> threading.Event:
+    """Route SIGINT and SIGTERM to a stop Event: the first one requests a graceful stop, a second SIGINT raises
+    KeyboardInterrupt. Must be called from the main thread. Forked children (DHT, averager) get SIGTERM back at
+    its default action and ignore SIGINT, so their owner shuts them down and ``terminate()`` still works.
+    """
+    global _signals_installed
+    if not _signals_installed:
+        signal.signal(signal.SIGINT, _on_stop_signal)
+        signal.signal(signal.SIGTERM, _on_stop_signal)
+        os.register_at_fork(after_in_child=_reset_child_signals)
+        _signals_installed = True
+    return _stop_event
+
+
+def stop_requested() -> threading.Event:
+    """The process-wide stop Event set by the signals of :func:`install_stop_signals`."""
+    return _stop_event
+
+
+def _on_stop_signal(signum: int, _frame: object) -> None:
+    if signum == signal.SIGINT and _stop_event.is_set():
+        raise KeyboardInterrupt
+    logger.warning("stop requested signal=%s (Ctrl+C again to abort)", signal.Signals(signum).name)
+    _stop_event.set()
+
+
+def _reset_child_signals() -> None:
+    try:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    except ValueError:  # forked from a non-main thread: signal handlers cannot be changed there
+        pass
+
+
+if __name__ == "__main__":
+    _reap(int(sys.argv[1]), sys.argv[2], float(sys.argv[3]) if len(sys.argv) > 3 else REAPER_POLL_S)

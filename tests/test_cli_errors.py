@@ -1,0 +1,120 @@
+"""Bad input: one clear ``error:`` line, exit status 2, bounded time, and nothing in the work dirs overwritten."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from swarm_harness import Swarm
+
+from p2p_diloco.demo import CORPUS, TINY_MODEL
+
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+UNREACHABLE = "/ip4/127.0.0.1/tcp/9/p2p/QmTabXVwgtEVWSWAHrsg2eYXD65Laf44CqQh96Hpmjd4UB"
+
+
+def join(*flags: str, timeout_s: float = 90) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "p2p_diloco.cli", "join", "--no-progress", *flags],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env=ENV,
+        stdin=subprocess.DEVNULL,
+    )
+
+
+def assert_user_error(result: subprocess.CompletedProcess, *fragments: str) -> str:
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert result.returncode == 2, result.stderr
+    assert len(errors) == 1 and "Traceback" not in result.stderr, result.stderr
+    for fragment in fragments:
+        assert fragment in errors[0], errors[0]
+    return errors[0]
+
+
+@pytest.fixture
+def work_dirs(tmp_path: Path) -> dict[str, Path]:
+    """A work dir with a checkpoint and metrics, and an exported model, that a failing run must not touch."""
+    work, save = tmp_path / "work", tmp_path / "export"
+    for directory, name in ((work, "checkpoint.pt"), (work, "metrics.jsonl"), (save, "config.json")):
+        directory.mkdir(exist_ok=True)
+        (directory / name).write_text(f"sentinel {name}")
+    return {"work": work, "save": save}
+
+
+def assert_untouched(work_dirs: dict[str, Path]) -> None:
+    for directory in work_dirs.values():
+        for path in directory.iterdir():
+            assert path.read_text() == f"sentinel {path.name}", path
+    assert sorted(path.name for path in work_dirs["work"].iterdir()) == ["checkpoint.pt", "metrics.jsonl"]
+
+
+def flags(work_dirs: dict[str, Path], **overrides: str) -> list[str]:
+    values = {
+        "--model-config": str(TINY_MODEL),
+        "--dataset": str(CORPUS),
+        "--work-dir": str(work_dirs["work"]),
+        "--save-dir": str(work_dirs["save"]),
+        "--max-steps": "5",
+        **overrides,
+    }
+    return [item for pair in values.items() for item in pair if pair[1] != ""]
+
+
+@pytest.mark.parametrize(
+    "overrides, fragments",
+    [
+        ({"--model-config": "", "--model": "/nonexistent/model-dir"}, ["/nonexistent/model-dir"]),
+        ({"--model-config": "", "--model": "no-such-org/no-such-model"}, ["no-such-org/no-such-model"]),
+        ({"--dataset": "/nonexistent/corpus.txt"}, ["/nonexistent/corpus.txt"]),
+        ({"--initial-peers": "/ip4/127.0.0.1/tcp/notaport"}, ["--initial-peers"]),
+        ({"--outer-lr": "-1"}, ["--outer-lr"]),
+        ({"--inner-steps": "0"}, ["--inner-steps"]),
+        ({"--quorum": "9", "--target-group-size": "4"}, ["--quorum"]),
+        ({"--run-id": "bad/run"}, ["--run-id"]),
+    ],
+    ids=["model-path", "model-hub-name", "dataset-path", "multiaddr", "outer-lr", "inner-steps", "quorum", "run-id"],
+)
+def test_bad_input_is_refused_cleanly(work_dirs: dict[str, Path], overrides: dict, fragments: list[str]) -> None:
+    assert_user_error(join(*flags(work_dirs, **overrides)), *fragments)
+    assert_untouched(work_dirs)
+
+
+def test_unreachable_bootstrap_fails_within_the_join_timeout(work_dirs: dict[str, Path]) -> None:
+    started = time.monotonic()
+    result = join(*flags(work_dirs, **{"--initial-peers": UNREACHABLE, "--join-timeout-s": "5"}))
+    elapsed = time.monotonic() - started
+    assert_user_error(result, "initial peer")
+    assert elapsed < 40, f"took {elapsed:.1f} s"
+    assert_untouched(work_dirs)
+
+
+@pytest.mark.swarm
+def test_peer_with_another_model_is_refused(tmp_path: Path, work_dirs: dict[str, Path]) -> None:
+    other = tmp_path / "other-model"
+    other.mkdir()
+    config = (TINY_MODEL / "config.json").read_text().replace('"n_layer": 2', '"n_layer": 3')
+    assert config != (TINY_MODEL / "config.json").read_text()
+    (other / "config.json").write_text(config)
+    swarm = Swarm(tmp_path / "swarm")
+    try:
+        maddr = swarm.bootstrap("bootstrap")
+        swarm.peer("member", maddr)
+        swarm.wait_for(lambda: swarm.events("member", "join"), timeout_s=90, what="the first peer to join")
+        result = join(
+            *flags(work_dirs, **{"--model-config": str(other), "--tokenizer": str(TINY_MODEL)}),
+            "--initial-peers",
+            maddr,
+            "--run-id",
+            swarm.run_id,
+        )
+        assert_user_error(result, "fingerprint")
+        assert_untouched(work_dirs)
+        assert all(r["group_size"] == 1 for r in swarm.rounds("member"))
+    finally:
+        swarm.close()

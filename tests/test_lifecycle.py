@@ -1,0 +1,132 @@
+"""Process ownership: the orphan reaper kills a SIGKILLed peer's whole group; stop signals; forked children."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from p2p_diloco.lifecycle import group_pids, is_running
+
+pytestmark = pytest.mark.swarm
+
+PEER_SCRIPT = textwrap.dedent(
+    """
+    import json, os, sys
+    from p2p_diloco.config import NetworkSection
+    from p2p_diloco.dht import start_dht
+    from p2p_diloco.lifecycle import descendant_pids, own_process_group, start_orphan_reaper
+
+    own_process_group()
+    reaper = start_orphan_reaper()
+    dht = start_dht(NetworkSection(host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
+    cmdlines = {pid: open(f"/proc/{pid}/cmdline", "rb").read().decode() for pid in descendant_pids(dht.pid)}
+    p2pd = [pid for pid, cmd in cmdlines.items() if "p2pd" in cmd]
+    sockets = [arg.split("=/unix", 1)[1] for cmd in cmdlines.values() for arg in cmd.split("\\0")
+               if arg.startswith("-listen=/unix")]
+    print(json.dumps(dict(pid=os.getpid(), pgid=os.getpgid(0), dht=dht.pid, p2pd=p2pd, reaper=reaper.pid,
+                          sockets=sockets)), flush=True)
+    sys.stdin.read()  # until the test closes stdin; then exit WITHOUT shutting the DHT down
+    """
+)
+
+
+def wait_until(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def peer():
+    """A child peer process in its own group with a reaper and a DHT; everything is killed at teardown."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", PEER_SCRIPT], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    info = json.loads(child.stdout.readline())
+    yield child, info
+    for pid in [info["reaper"], *group_pids(info["pgid"])]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    child.kill()
+    child.wait()
+
+
+def test_sigkill_of_main_kills_dht_and_p2pd(peer):
+    child, info = peer
+    assert info["pgid"] == info["pid"] != os.getpgid(0)
+    members = set(group_pids(info["pgid"]))
+    assert {info["pid"], info["dht"], *info["p2pd"]} <= members and info["p2pd"]
+    assert info["reaper"] not in members
+    assert all(Path(path).exists() for path in info["sockets"])
+
+    child.send_signal(signal.SIGKILL)
+    child.wait(timeout=5)
+    wait_until(lambda: not group_pids(info["pgid"]), 10, "the DHT process and p2pd to die")
+    wait_until(lambda: not is_running(info["reaper"]), 5, "the reaper to exit")
+    assert not any(Path(path).exists() for path in info["sockets"])
+
+
+def test_reaper_cleans_up_after_normal_exit(peer):
+    child, info = peer
+    child.stdin.close()
+    assert child.wait(timeout=10) == 0
+    wait_until(lambda: not group_pids(info["pgid"]), 10, "leftover DHT process and p2pd to die")
+    wait_until(lambda: not is_running(info["reaper"]), 5, "the reaper to exit")
+
+
+SIGNAL_SCRIPT = textwrap.dedent(
+    """
+    import os, signal, sys, time
+    from p2p_diloco.lifecycle import install_stop_signals, stop_requested
+
+    stop = install_stop_signals()
+    assert stop is stop_requested()
+    ready_r, ready_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # after the fork hooks ran
+        os.write(ready_w, b"x")
+        time.sleep(30)
+        os._exit(0)
+    os.read(ready_r, 1)
+    os.kill(pid, signal.SIGINT)  # ignored by forked children
+    os.kill(pid, signal.SIGTERM)  # default action: terminate
+    _, status = os.waitpid(pid, 0)
+    print("child", os.WTERMSIG(status) if os.WIFSIGNALED(status) else "exited", flush=True)
+    print("ready", flush=True)
+    stop.wait()
+    try:
+        print("graceful", flush=True)
+        while True:
+            time.sleep(0.05)
+    except KeyboardInterrupt:
+        print("aborted", flush=True)
+        sys.exit(3)
+    """
+)
+
+
+def test_stop_signals_first_graceful_second_sigint_aborts():
+    child = subprocess.Popen([sys.executable, "-c", SIGNAL_SCRIPT], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().split() == ["child", str(int(signal.SIGTERM))]
+        assert child.stdout.readline().strip() == "ready"
+        child.send_signal(signal.SIGTERM)
+        assert child.stdout.readline().strip() == "graceful"
+        child.send_signal(signal.SIGINT)
+        assert child.stdout.readline().strip() == "aborted"
+        assert child.wait(timeout=5) == 3
+    finally:
+        child.kill()
+        child.wait()

@@ -1,0 +1,155 @@
+"""Typed, signed, expiring swarm records between real DHT nodes on 127.0.0.1, and the status table."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+from hivemind.utils import get_dht_time
+from hivemind.utils.crypto import RSAPrivateKey
+
+from p2p_diloco.config import NetworkSection
+from p2p_diloco.dht import start_dht, stop_dht, visible_multiaddrs
+from p2p_diloco.records import PeerProgress, SwarmRecords, record_validators
+from p2p_diloco.status import run_status
+
+pytestmark = pytest.mark.swarm
+
+RUN_ID = "records-test"
+LOCAL = ["/ip4/127.0.0.1/tcp/0"]
+
+
+def wait_until(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.05)
+
+
+def progress(peer_id: str, **overrides) -> PeerProgress:
+    fields = dict(
+        peer_id=peer_id,
+        inner_step=12,
+        outer_round=3,
+        tokens_per_s=1500.5,
+        loss=2.75,
+        last_seen=get_dht_time(),
+        group_size=2,
+        model_fingerprint="sha256:abc",
+    )
+    return PeerProgress(**{**fields, **overrides})
+
+
+@pytest.fixture
+def swarm():
+    """Two DHT servers (the second joined through the first), each with its own signing key."""
+    started = []
+    try:
+        validators_a = record_validators(RUN_ID, RSAPrivateKey())
+        first = start_dht(NetworkSection(host_maddrs=LOCAL), record_validators=validators_a)
+        started.append(first)
+        validators_b = record_validators(RUN_ID, RSAPrivateKey())
+        second = start_dht(
+            NetworkSection(host_maddrs=LOCAL, initial_peers=visible_multiaddrs(first)), record_validators=validators_b
+        )
+        started.append(second)
+        yield SwarmRecords(first, RUN_ID, validators_a), SwarmRecords(second, RUN_ID, validators_b)
+    finally:
+        for dht in started:
+            stop_dht(dht)
+
+
+def test_progress_round_trip_between_peers(swarm):
+    a, b = swarm
+    mine = progress("peer-a")
+    a.publish_progress(mine)
+    wait_until(lambda: "peer-a" in b.read_progress(), 10, "peer-a's record on peer b")
+    assert b.read_progress()["peer-a"] == mine
+    b.publish_progress(progress("peer-b", inner_step=0, tokens_per_s=0))
+    wait_until(lambda: set(a.read_progress()) == {"peer-a", "peer-b"}, 10, "both records on peer a")
+
+
+def test_forged_and_malformed_records_are_rejected(swarm):
+    a, b = swarm
+    original = progress("peer-a")
+    a.publish_progress(original)
+    wait_until(lambda: "peer-a" in b.read_progress(), 10, "peer-a's record")
+    expiration = get_dht_time() + 60
+    key = a.progress_key
+
+    forged = dict(original.dict(), loss=0.0)
+    assert not b.dht.store(key, forged, expiration, subkey=a._subkey), "b overwrote a's signed subkey"
+    malformed = [
+        dict(original.dict(), peer_id="peer-b", inner_step=-1),
+        dict(original.dict(), peer_id="peer-b", inner_step=1.0),  # a float where an int belongs
+        dict(original.dict(), peer_id="peer-b", extra_field=1),
+        {"peer_id": "peer-b"},
+    ]
+    for value in malformed:
+        assert not b.dht.store(key, value, expiration, subkey=b._subkey), value
+    assert not b.dht.store(key, original.dict(), expiration, subkey=b"no-owner-key"), "unsigned subkey accepted"
+    assert not b.dht.store(a.model_key, 42, expiration), "non-string fingerprint accepted"
+
+    for reader in (a, b):
+        assert reader.read_progress() == {"peer-a": original}
+
+
+def test_expired_records_disappear(swarm):
+    a, b = swarm
+    a.publish_progress(progress("peer-a"), ttl_s=1.5)
+    assert "peer-a" in a.read_progress()
+    wait_until(lambda: "peer-a" not in a.read_progress() and "peer-a" not in b.read_progress(), 10, "expiry")
+
+
+def test_first_fingerprint_claim_wins(swarm):
+    a, b = swarm
+    assert a.claim_model_fingerprint("fp-first", ttl_s=30) == "fp-first"
+    assert b.claim_model_fingerprint("fp-second", ttl_s=30) == "fp-first"
+    b.refresh_model_fingerprint("fp-first", ttl_s=60)
+    assert a.claim_model_fingerprint("fp-third") == "fp-first"
+
+
+def test_publish_on_a_dead_dht_only_warns(swarm, caplog):
+    a, _ = swarm
+    stop_dht(a.dht)
+    with caplog.at_level(logging.WARNING, logger="p2p_diloco.records"):
+        a.publish_progress(progress("peer-a"))
+        assert a.read_progress() == {}
+    assert "dht store failed" in caplog.text and "dht get failed" in caplog.text
+
+
+def test_progress_model_is_strict():
+    assert progress("p", tokens_per_s=3).tokens_per_s == 3.0
+    for bad in (
+        dict(inner_step=True),
+        dict(inner_step="3"),
+        dict(loss=float("nan")),
+        dict(tokens_per_s=-1.0),
+        dict(model_fingerprint=""),
+        dict(model_fingerprint="x" * 129),
+    ):
+        with pytest.raises(ValueError):
+            progress("p", **bad)
+    with pytest.raises(ValueError):
+        progress("")
+    with pytest.raises(ValueError):
+        PeerProgress(**{**progress("p").dict(), "unknown": 1})
+
+
+def test_status_prints_table_of_live_peers(swarm, capsys):
+    a, b = swarm
+    a.publish_progress(progress("peer-a"))
+    b.publish_progress(progress("peer-b", last_seen=get_dht_time() - 120))
+    wait_until(lambda: len(a.read_progress()) == 2, 10, "both records")
+    network = NetworkSection(run_id=RUN_ID, initial_peers=visible_multiaddrs(a.dht))
+    assert run_status(network, stale_after_s=60) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split()[:3] == ["peer", "inner", "step"]
+    assert out[1].startswith("peer-a") and "1500.5" in out[1] and "2.7500" in out[1] and "(stale)" not in out[1]
+    assert out[2].startswith("peer-b") and "(stale)" in out[2]
+
+    empty = NetworkSection(run_id="nobody-here", initial_peers=visible_multiaddrs(a.dht))
+    assert run_status(empty) == 1
+    assert "no peer of run 'nobody-here'" in capsys.readouterr().err

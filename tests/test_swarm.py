@@ -1,0 +1,114 @@
+"""Swarm tests: real hivemind peers as separate processes on 127.0.0.1 (see swarm_harness.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from swarm_harness import Swarm, group_alive
+
+pytestmark = pytest.mark.swarm
+
+# After a round in which the whole group averaged, members hold the same all-reduce output; the probe
+# drift (relative distance of the members' global parameters before a round) is then float round-off.
+HEALED_DRIFT_BOUND = 1e-5
+# A genuinely split swarm drifts far more than that within a couple of rounds.
+SPLIT_DRIFT_FLOOR = 1e-3
+
+
+@pytest.fixture
+def swarm(tmp_path: Path):
+    swarm = Swarm(tmp_path)
+    yield swarm
+    swarm.close()
+
+
+def test_demo_trains_three_peers_in_groups(tmp_path: Path) -> None:
+    """The README's main command: eval loss of the consensus model falls and groups of several peers form."""
+    result = subprocess.run(
+        [sys.executable, "-m", "p2p_diloco.cli", "demo", "--duration", "25", "--work-dir", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"},
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "demo succeeded" in result.stdout
+    for index in range(3):
+        assert (tmp_path / f"peer{index}" / "model" / "model.safetensors").exists()
+
+
+def test_sigkilled_peer_does_not_stop_the_others(swarm: Swarm) -> None:
+    maddr = swarm.bootstrap("bootstrap")
+    for name in ("a", "b", "victim"):
+        swarm.peer(name, maddr)
+    swarm.wait_for(
+        lambda: all(any(r["group_size"] >= 2 for r in swarm.rounds(n)) for n in ("a", "b", "victim")),
+        timeout_s=150,
+        what="every peer to average in a group",
+    )
+    killed_at = time.time()
+    pgid = swarm.kill_main_process("victim")
+    swarm.wait_for(lambda: not group_alive(pgid), timeout_s=15, what="the killed peer's DHT, averager and p2pd to exit")
+    swarm.wait_for(
+        lambda: all(len(swarm.rounds(n, after=killed_at)) >= 3 for n in ("a", "b")),
+        timeout_s=120,
+        what="the survivors to complete three more outer rounds",
+    )
+    for name in ("a", "b"):
+        late = swarm.rounds(name, after=killed_at)[-1]
+        assert late["group_size"] == 2, late
+        assert swarm.processes[name].poll() is None
+
+
+def test_late_joiner_downloads_the_swarm_state(swarm: Swarm) -> None:
+    maddr = swarm.bootstrap("bootstrap")
+    for name in ("a", "b"):
+        swarm.peer(name, maddr)
+    swarm.wait_for(lambda: all(len(swarm.rounds(n)) >= 3 for n in ("a", "b")), timeout_s=150, what="3 rounds")
+    swarm.peer("late", maddr)
+    join = swarm.wait_for(lambda: swarm.events("late", "join"), timeout_s=90, what="the late peer to join")[0]
+    assert join["source"] == "swarm" and join["outer_round"] >= 3
+    assert swarm.events("late", "state_download")
+    late_eval = swarm.wait_for(lambda: swarm.events("late", "eval"), timeout_s=30, what="the joiner's eval")[0]
+    donor_evals = [
+        event["eval_loss"]
+        for name in ("a", "b")
+        for event in swarm.events(name, "eval")
+        if event["outer_round"] == late_eval["outer_round"]
+    ]
+    # Same held-out batches and same global parameters give the same loss: the download is the swarm's φ.
+    assert (
+        donor_evals and min(abs(loss - late_eval["eval_loss"]) for loss in donor_evals) <= 1e-6 * late_eval["eval_loss"]
+    )
+    swarm.wait_for(
+        lambda: any(r["group_size"] == 3 for r in swarm.rounds("late")), timeout_s=90, what="a round with all three"
+    )
+
+
+def test_split_swarm_comes_back_into_consensus(swarm: Swarm) -> None:
+    """Two halves train apart (two DHT islands), then a node that knows both heals the split."""
+    left, right = swarm.bootstrap("bootstrap-left"), swarm.bootstrap("bootstrap-right")
+    halves = {"l0": left, "l1": left, "r0": right, "r1": right}
+    for name, maddr in halves.items():
+        swarm.peer(name, maddr)
+    swarm.wait_for(
+        lambda: all(sum(r["group_size"] == 2 for r in swarm.rounds(n)) >= 2 for n in halves),
+        timeout_s=180,
+        what="both halves to average apart for two rounds",
+    )
+    assert all(max(r["group_size"] for r in swarm.rounds(n)) == 2 for n in halves), "the halves were not split"
+    healed_at = time.time()
+    swarm.bootstrap("bridge", initial_peers=(left, right))
+
+    def healed_round() -> dict | None:
+        candidates = [r for n in halves for r in swarm.rounds(n, after=healed_at) if r["group_size"] == 4]
+        return next((r for r in candidates if r["member_drift"] < HEALED_DRIFT_BOUND), None)
+
+    swarm.wait_for(healed_round, timeout_s=180, what=f"a round of all four peers with drift < {HEALED_DRIFT_BOUND}")
+    merged = [r for n in halves for r in swarm.rounds(n, after=healed_at) if r["group_size"] > 2]
+    assert max(r["member_drift"] for r in merged) > SPLIT_DRIFT_FLOOR, "the halves had not drifted apart"
