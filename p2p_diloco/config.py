@@ -34,7 +34,7 @@ class ModelSection(_Section):
         validation_alias=AliasChoices("model_config", "model_config_path"),
         json_schema_extra={"flag": "--model-config"},
     )
-    tokenizer: str | None = Field(None, description="tokenizer hub name or directory (default: same as the model)")
+    tokenizer: str | None = Field(None, description="tokenizer hub name or directory; None: the model's")
     gguf_file: str | None = Field(None, description="load weights from this GGUF file inside --model")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="dtype of the trained weights")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto picks CUDA when present")
@@ -59,7 +59,7 @@ class DataSection(_Section):
 
 class InnerSection(_Section):
     inner_lr: float = Field(1e-3, gt=0.0, le=1.0, description="AdamW peak learning rate")
-    weight_decay: float = Field(0.1, ge=0.0, le=1.0)
+    weight_decay: float = Field(0.1, ge=0.0, le=1.0, description="AdamW decoupled weight decay")
     warmup_steps: int = Field(20, ge=0, description="linear warm-up inner steps")
     decay_steps: int = Field(10_000, ge=1, description="cosine decay length in inner steps (then held at 10%)")
     grad_clip: float = Field(1.0, gt=0.0, description="max global gradient norm")
@@ -68,9 +68,9 @@ class InnerSection(_Section):
 
 class OuterSection(_Section):
     inner_steps: int = Field(20, ge=1, description="H: inner steps between two outer rounds")
-    outer_lr: float = Field(0.7, gt=0.0, le=10.0)
-    outer_momentum: float = Field(0.9, ge=0.0, lt=1.0)
-    nesterov: bool = True
+    outer_lr: float = Field(0.7, gt=0.0, le=10.0, description="outer SGD learning rate on the pseudo-gradient")
+    outer_momentum: float = Field(0.9, ge=0.0, lt=1.0, description="outer SGD momentum")
+    nesterov: bool = Field(True, description="Nesterov outer momentum")
     quorum: int = Field(1, ge=1, description="K: smallest group whose average is accepted (1 = never wait)")
     target_group_size: int = Field(8, ge=1, le=256, description="a group stops recruiting at this size")
     grace_fraction: float = Field(
@@ -149,6 +149,12 @@ def _flag(field_name: str) -> str:
     return "--" + field_name.replace("_", "-")
 
 
+def _help(field: Any) -> str:
+    """A flag's help line: the field's description and its default (argparse needs '%' escaped)."""
+    default = "required" if field.is_required() else f"default: {field.get_default(call_default_factory=True)}"
+    return f"{field.description or ''} ({default})".strip().replace("%", "%%")
+
+
 def _is_list(annotation: Any) -> bool:
     return typing.get_origin(annotation) is list
 
@@ -165,10 +171,11 @@ def add_config_arguments(parser: argparse.ArgumentParser, sections: tuple[str, .
         group = parser.add_argument_group(section_name)
         for name, field in section.model_fields.items():
             kwargs: dict[str, Any] = dict(
-                dest=f"{section_name}.{name}", default=argparse.SUPPRESS, help=field.description
+                dest=f"{section_name}.{name}", default=argparse.SUPPRESS, help=_help(field), metavar=name.upper()
             )
             if _is_bool(field.annotation):
                 kwargs["action"] = argparse.BooleanOptionalAction
+                del kwargs["metavar"]
             elif _is_list(field.annotation):
                 kwargs["nargs"] = "*"
             group.add_argument(_flag(name), **kwargs)

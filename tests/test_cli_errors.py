@@ -118,3 +118,11 @@ def test_peer_with_another_model_is_refused(tmp_path: Path, work_dirs: dict[str,
         assert all(r["group_size"] == 1 for r in swarm.rounds("member"))
     finally:
         swarm.close()
+
+
+@pytest.mark.parametrize("command", ["bootstrap", "join", "status", "demo"])
+def test_every_command_has_help(command: str) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "p2p_diloco.cli", command, "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0 and "usage: p2p-diloco" in result.stdout, result.stderr
