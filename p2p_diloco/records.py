@@ -92,10 +92,11 @@ class SwarmRecords:
         self.progress_key, self.model_key = f"{run_id}_progress", f"{run_id}_model"
         self._subkey = signers[0].local_public_key
 
-    def publish_progress(self, progress: PeerProgress, ttl_s: float = 60) -> None:
+    def publish_progress(self, progress: PeerProgress, ttl_s: float = 60, wait: bool = False) -> None:
         """Store ``progress`` under this peer's signed subkey for ``ttl_s`` seconds. Never raises on network
-        failures: logs a warning instead (blocks at most ``DHT_TIMEOUT_S``)."""
-        self._store(self.progress_key, progress.dict(), ttl_s, subkey=self._subkey)
+        failures: logs a warning instead. Returns at once unless ``wait`` (then blocks at most ``DHT_TIMEOUT_S``),
+        so a training loop never waits on the DHT."""
+        self._store(self.progress_key, progress.dict(), ttl_s, subkey=self._subkey, wait=wait)
 
     def read_progress(self) -> dict[str, PeerProgress]:
         """Unexpired, well-formed progress records by peer id (the freshest one if a peer id appears twice).
@@ -128,24 +129,30 @@ class SwarmRecords:
         found = self._get(self.model_key)
         if found is not None and isinstance(found.value, str):
             return found.value
-        self.refresh_model_fingerprint(fingerprint, ttl_s)
+        self.refresh_model_fingerprint(fingerprint, ttl_s, wait=True)
         found = self._get(self.model_key)
         if found is None or not isinstance(found.value, str):
             logger.warning("fingerprint not readable after store key=%s, assuming ours", self.model_key)
             return fingerprint
         return found.value
 
-    def refresh_model_fingerprint(self, fingerprint: str, ttl_s: float = 3600) -> None:
-        """Re-publish the swarm's fingerprint so it outlives its first claimant; call it periodically (< ttl_s)."""
-        self._store(self.model_key, fingerprint, ttl_s)
+    def refresh_model_fingerprint(self, fingerprint: str, ttl_s: float = 3600, wait: bool = False) -> None:
+        """Re-publish the swarm's fingerprint so it outlives its first claimant; call it periodically (< ttl_s).
+        Returns at once unless ``wait``."""
+        self._store(self.model_key, fingerprint, ttl_s, wait=wait)
 
-    def _store(self, key: str, value: Any, ttl_s: float, subkey: bytes | None = None) -> None:
+    def _store(self, key: str, value: Any, ttl_s: float, subkey: bytes | None = None, wait: bool = True) -> None:
         try:
             future = self.dht.store(key, value, get_dht_time() + ttl_s, subkey=subkey, return_future=True)
-            if not future.result(timeout=DHT_TIMEOUT_S):
-                logger.warning("dht store not accepted key=%s (no peer stored it, or a newer value exists)", key)
         except Exception as error:  # network hiccups must not stop training
             logger.warning("dht store failed key=%s error=%s", key, error or type(error).__name__)
+            return
+        if wait:
+            try:
+                future.result(timeout=DHT_TIMEOUT_S)
+            except Exception:  # reported below, like a store nobody accepted
+                pass
+        future.add_done_callback(lambda done: _warn_if_not_stored(key, done))
 
     def _get(self, key: str) -> hivemind.utils.ValueWithExpiration | None:
         try:
@@ -153,3 +160,11 @@ class SwarmRecords:
         except Exception as error:
             logger.warning("dht get failed key=%s error=%s", key, error or type(error).__name__)
             return None
+
+
+def _warn_if_not_stored(key: str, future: Any) -> None:
+    """Done-callback of a DHT store: a warning when it failed or no peer accepted the record."""
+    if future.cancelled() or future.exception() is not None:
+        logger.warning("dht store failed key=%s error=%s", key, future.exception() if not future.cancelled() else "")
+    elif not future.result():
+        logger.warning("dht store not accepted key=%s (no peer stored it, or a newer value exists)", key)

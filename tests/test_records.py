@@ -64,17 +64,17 @@ def swarm():
 def test_progress_round_trip_between_peers(swarm):
     a, b = swarm
     mine = progress("peer-a")
-    a.publish_progress(mine)
+    a.publish_progress(mine, wait=True)
     wait_until(lambda: "peer-a" in b.read_progress(), 10, "peer-a's record on peer b")
     assert b.read_progress()["peer-a"] == mine
-    b.publish_progress(progress("peer-b", inner_step=0, tokens_per_s=0))
+    b.publish_progress(progress("peer-b", inner_step=0, tokens_per_s=0), wait=True)
     wait_until(lambda: set(a.read_progress()) == {"peer-a", "peer-b"}, 10, "both records on peer a")
 
 
 def test_forged_and_malformed_records_are_rejected(swarm):
     a, b = swarm
     original = progress("peer-a")
-    a.publish_progress(original)
+    a.publish_progress(original, wait=True)
     wait_until(lambda: "peer-a" in b.read_progress(), 10, "peer-a's record")
     expiration = get_dht_time() + 60
     key = a.progress_key
@@ -98,7 +98,7 @@ def test_forged_and_malformed_records_are_rejected(swarm):
 
 def test_expired_records_disappear(swarm):
     a, b = swarm
-    a.publish_progress(progress("peer-a"), ttl_s=1.5)
+    a.publish_progress(progress("peer-a"), ttl_s=1.5, wait=True)
     assert "peer-a" in a.read_progress()
     wait_until(lambda: "peer-a" not in a.read_progress() and "peer-a" not in b.read_progress(), 10, "expiry")
 
@@ -115,7 +115,7 @@ def test_publish_on_a_dead_dht_only_warns(swarm, caplog):
     a, _ = swarm
     stop_dht(a.dht)
     with caplog.at_level(logging.WARNING, logger="p2p_diloco.records"):
-        a.publish_progress(progress("peer-a"))
+        a.publish_progress(progress("peer-a"), wait=True)
         assert a.read_progress() == {}
     assert "dht store failed" in caplog.text and "dht get failed" in caplog.text
 
@@ -140,8 +140,8 @@ def test_progress_model_is_strict():
 
 def test_status_prints_table_of_live_peers(swarm, capsys):
     a, b = swarm
-    a.publish_progress(progress("peer-a"))
-    b.publish_progress(progress("peer-b", last_seen=get_dht_time() - 120))
+    a.publish_progress(progress("peer-a"), wait=True)
+    b.publish_progress(progress("peer-b", last_seen=get_dht_time() - 120), wait=True)
     wait_until(lambda: len(a.read_progress()) == 2, 10, "both records")
     network = NetworkSection(run_id=RUN_ID, initial_peers=visible_multiaddrs(a.dht))
     assert run_status(network, stale_after_s=60) == 0

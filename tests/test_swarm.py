@@ -88,6 +88,15 @@ def test_late_joiner_downloads_the_swarm_state(swarm: Swarm) -> None:
     swarm.wait_for(
         lambda: any(r["group_size"] == 3 for r in swarm.rounds("late")), timeout_s=90, what="a round with all three"
     )
+    status = subprocess.run(
+        [sys.executable, "-m", "p2p_diloco.cli", "status", "--initial-peers", maddr, "--run-id", swarm.run_id],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert status.returncode == 0, status.stderr
+    peer_ids = {swarm.events(name, "join")[0]["peer_id"] for name in ("a", "b", "late")}
+    assert all(peer_id in status.stdout for peer_id in peer_ids), status.stdout
 
 
 def test_split_swarm_comes_back_into_consensus(swarm: Swarm) -> None:
@@ -109,6 +118,8 @@ def test_split_swarm_comes_back_into_consensus(swarm: Swarm) -> None:
         candidates = [r for n in halves for r in swarm.rounds(n, after=healed_at) if r["group_size"] == 4]
         return next((r for r in candidates if r["member_drift"] < HEALED_DRIFT_BOUND), None)
 
-    swarm.wait_for(healed_round, timeout_s=180, what=f"a round of all four peers with drift < {HEALED_DRIFT_BOUND}")
+    healed = swarm.wait_for(healed_round, timeout_s=180, what=f"a round of all four peers, drift < {HEALED_DRIFT_BOUND}")
     merged = [r for n in halves for r in swarm.rounds(n, after=healed_at) if r["group_size"] > 2]
-    assert max(r["member_drift"] for r in merged) > SPLIT_DRIFT_FLOOR, "the halves had not drifted apart"
+    split_drift = max(r["member_drift"] for r in merged)
+    print(f"drift when the halves met: {split_drift:.3g}; after healing: {healed['member_drift']:.3g}")
+    assert split_drift > SPLIT_DRIFT_FLOOR, "the halves had not drifted apart"
