@@ -16,6 +16,7 @@ from p2p_diloco.errors import UserError
 
 logger = logging.getLogger("p2p_diloco")
 
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="p2p-diloco", description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")

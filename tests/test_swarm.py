@@ -118,7 +118,8 @@ def test_split_swarm_comes_back_into_consensus(swarm: Swarm) -> None:
         candidates = [r for n in halves for r in swarm.rounds(n, after=healed_at) if r["group_size"] == 4]
         return next((r for r in candidates if r["member_drift"] < HEALED_DRIFT_BOUND), None)
 
-    healed = swarm.wait_for(healed_round, timeout_s=180, what=f"a round of all four peers, drift < {HEALED_DRIFT_BOUND}")
+    what = f"a round of all four peers with drift < {HEALED_DRIFT_BOUND}"
+    healed = swarm.wait_for(healed_round, timeout_s=180, what=what)
     merged = [r for n in halves for r in swarm.rounds(n, after=healed_at) if r["group_size"] > 2]
     split_drift = max(r["member_drift"] for r in merged)
     print(f"drift when the halves met: {split_drift:.3g}; after healing: {healed['member_drift']:.3g}")
