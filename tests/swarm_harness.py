@@ -101,6 +101,15 @@ class Swarm:
             stop_process_group(process, grace_s=10.0)
 
 
+def wait_until(condition: Callable[[], object], timeout: float, what: str) -> None:
+    """Poll ``condition`` every 50 ms until it is truthy; AssertionError naming ``what`` after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.05)
+
+
 def group_alive(pgid: int) -> bool:
     """True while any process of process group ``pgid`` exists (zombies excluded)."""
     for entry in os.listdir("/proc"):

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from hivemind.p2p import P2P, PeerID
+from swarm_harness import wait_until
 
 from p2p_diloco.config import NetworkSection
 from p2p_diloco.dht import (
@@ -31,14 +32,6 @@ from p2p_diloco.lifecycle import descendant_pids, group_pids, is_running, p2pd_s
 pytestmark = pytest.mark.swarm
 
 LOCAL = ["/ip4/127.0.0.1/tcp/0"]
-
-
-def wait_until(condition, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.05)
 
 
 def p2pd_in_my_group() -> set[int]:

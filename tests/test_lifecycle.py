@@ -8,10 +8,10 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
+from swarm_harness import wait_until
 
 from p2p_diloco.lifecycle import group_pids, is_running
 
@@ -36,14 +36,6 @@ PEER_SCRIPT = textwrap.dedent(
     sys.stdin.read()  # until the test closes stdin; then exit WITHOUT shutting the DHT down
     """
 )
-
-
-def wait_until(condition, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.05)
 
 
 @pytest.fixture

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import logging
-import time
 
 import pytest
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
+from swarm_harness import wait_until
 
 from p2p_diloco.config import NetworkSection
 from p2p_diloco.dht import start_dht, stop_dht, visible_multiaddrs
@@ -18,14 +18,6 @@ pytestmark = pytest.mark.swarm
 
 RUN_ID = "records-test"
 LOCAL = ["/ip4/127.0.0.1/tcp/0"]
-
-
-def wait_until(condition, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.05)
 
 
 def progress(peer_id: str, **overrides) -> PeerProgress:
