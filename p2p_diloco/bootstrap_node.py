@@ -8,7 +8,7 @@ import threading
 
 from p2p_diloco.config import NetworkSection
 from p2p_diloco.dht import count_routing_peers, start_dht, stop_dht, visible_multiaddrs
-from p2p_diloco.lifecycle import install_stop_signals, own_process_group, start_orphan_reaper
+from p2p_diloco.lifecycle import install_stop_signals, start_orphan_reaper
 from p2p_diloco.records import record_validators
 
 logger = logging.getLogger(__name__)
@@ -24,7 +24,6 @@ def run_bootstrap(network: NetworkSection, stop: threading.Event | None = None, 
     ``report_every_s`` seconds. Returns 0 after a requested stop (DHT and p2pd shut down), 1 with a one-line message
     on stderr if the DHT dies; raises NetworkError if it cannot start.
     """
-    own_process_group()
     start_orphan_reaper()
     stop = stop if stop is not None else install_stop_signals()
     if network.identity_path is None:

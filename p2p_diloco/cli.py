@@ -55,14 +55,12 @@ def _join(args: argparse.Namespace) -> int:
     from p2p_diloco.lifecycle import (
         ensure_fork_start_method,
         install_stop_signals,
-        own_process_group,
         start_orphan_reaper,
     )
     from p2p_diloco.peer import run_peer
 
     config = load_config(args)
     ensure_fork_start_method()
-    own_process_group()
     start_orphan_reaper()
     run_peer(config, install_stop_signals())
     return 0

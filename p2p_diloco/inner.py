@@ -92,6 +92,10 @@ class InnerTrainer:
         """A CPU fp32 copy of θ."""
         return [param.detach().to(device="cpu", dtype=torch.float32, copy=True) for param in self.params]
 
+    def reset_optimizer(self) -> None:
+        """Forget AdamW's moments (e.g. after they became non-finite); the schedule position is kept."""
+        self.optimizer.state.clear()
+
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
 

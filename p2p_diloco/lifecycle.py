@@ -1,14 +1,14 @@
-"""Process ownership of a peer: process group, orphan reaper, stop signals, fork start method.
+"""Process ownership of a peer: children process group, orphan reaper, stop signals, fork start method.
 
 hivemind runs the DHT and the averager in forked processes, each of which spawns a ``p2pd`` daemon. If the main
-process is SIGKILLed they keep serving the swarm as orphans. A peer therefore leads its own process group
-(:func:`own_process_group`) and starts a watchdog (:func:`start_orphan_reaper`) that SIGKILLs the whole group once
-the main process is gone, whatever the cause. Run as ``python -m p2p_diloco.lifecycle PID PGID`` it is that watchdog.
+process is SIGKILLed they keep serving the swarm as orphans. A peer therefore starts a watchdog
+(:func:`start_orphan_reaper`) that leads a separate process group holding all of the peer's children, and
+SIGKILLs that group once the main process is gone, whatever the cause. Run as
+``python -m p2p_diloco.lifecycle PID START_TIME POLL_S`` it is that watchdog.
 """
 
 from __future__ import annotations
 
-import atexit
 import logging
 import multiprocessing as mp
 import os
@@ -27,6 +27,7 @@ REAPER_POLL_S = 0.1
 SOCKET_SCAN_EVERY = 20
 _P2PD_SOCKET_RE = re.compile(r"-listen=/unix(/tmp/hivemind-p2pd-([A-Za-z0-9_-]+)\.sock)")
 _stop_event = threading.Event()
+_children_pgid: int | None = None
 _signals_installed = False
 
 
@@ -88,58 +89,44 @@ def kill_process_tree(pid: int) -> None:
             pass
 
 
-def own_process_group() -> None:
-    """Make this process the leader of its own process group, so that its forked children and their p2pd share it.
-
-    No-op when it already leads a group (e.g. started by an interactive shell). If this process was in the
-    terminal's foreground group, it takes the terminal's foreground with it so that Ctrl+C still reaches it, and
-    hands it back to the old group at normal exit.
-    """
-    pid = os.getpid()
-    old_pgid = os.getpgid(0)
-    if old_pgid == pid:
-        return
-    tty_fd = None
-    try:
-        if os.isatty(sys.stdin.fileno()) and os.tcgetpgrp(sys.stdin.fileno()) == old_pgid:
-            tty_fd = sys.stdin.fileno()
-    except (OSError, ValueError, AttributeError):
-        tty_fd = None
-    os.setpgid(0, 0)
-    if tty_fd is not None:
-        _set_foreground(tty_fd, pid)
-        atexit.register(_set_foreground, tty_fd, old_pgid)
-    logger.debug("own_process_group pgid=%d previous_pgid=%d", pid, old_pgid)
-
-
-def _set_foreground(tty_fd: int, pgid: int) -> None:
-    previous = signal.signal(signal.SIGTTOU, signal.SIG_IGN)
-    try:
-        os.tcsetpgrp(tty_fd, pgid)
-    except OSError as error:
-        logger.debug("tcsetpgrp failed pgid=%d error=%s", pgid, error)
-    finally:
-        signal.signal(signal.SIGTTOU, previous)
-
-
 def start_orphan_reaper(poll_s: float = REAPER_POLL_S) -> subprocess.Popen:
-    """Start a watchdog that SIGKILLs this process group as soon as this process is gone (crash, SIGKILL or exit).
+    """Start the watchdog as the leader of a new *children group* and move every process forked from now on
+    (hivemind's DHT and averager processes, and the p2pd daemons they spawn) into that group.
 
-    Call :func:`own_process_group` first (raises RuntimeError otherwise: killing a shared group would kill the
-    shell). The watchdog runs in its own session, so terminal signals do not reach it, and exits by itself after
-    the main process is gone. It also removes the ``/tmp/hivemind-*.sock`` files of the group's p2pd daemons.
+    Signals sent to this process's own group (Ctrl+C in a terminal, a supervisor's SIGTERM to the job) then
+    reach this process only, which shuts its children down in order: a child killed by such a signal could die
+    holding hivemind's cross-process future lock and hang this process forever. When this process is gone for
+    any reason (exit, crash, SIGKILL), the watchdog removes the group's p2pd socket files and SIGKILLs the
+    children group, itself included. Call it once, before starting hivemind.
     """
+    global _children_pgid
+    if _children_pgid is not None:
+        raise RuntimeError("start_orphan_reaper was already called in this process")
     pid = os.getpid()
-    if os.getpgid(0) != pid:
-        raise RuntimeError("start_orphan_reaper needs own_process_group() first: this process leads no group")
     fields = _read_stat(pid)
     assert fields is not None
-    return subprocess.Popen(
+    reaper = subprocess.Popen(
         [sys.executable, "-m", "p2p_diloco.lifecycle", str(pid), fields[19], str(poll_s)],
         stdin=subprocess.DEVNULL,
-        start_new_session=True,
+        process_group=0,
         close_fds=True,
     )
+    _children_pgid = reaper.pid
+    os.register_at_fork(after_in_child=_join_children_group)
+    return reaper
+
+
+def children_group() -> int | None:
+    """The process group of this process's forked children (the watchdog's pid), once the watchdog runs."""
+    return _children_pgid
+
+
+def _join_children_group() -> None:
+    if _children_pgid is not None and os.getpgid(0) != _children_pgid:
+        try:
+            os.setpgid(0, _children_pgid)
+        except OSError as error:  # the watchdog is gone: this process is being torn down anyway
+            logger.debug("could not join the children group pgid=%d error=%s", _children_pgid, error)
 
 
 def p2pd_sockets(pids: Iterable[int]) -> list[Path]:
@@ -156,8 +143,9 @@ def p2pd_sockets(pids: Iterable[int]) -> list[Path]:
 
 
 def _reap(pid: int, start_time: str, poll_s: float) -> None:
-    """Watchdog body: wait until PID is gone, then SIGKILL its process group and remove its p2pd sockets."""
-    pgid = pid
+    """Watchdog body: wait until PID is gone, then remove the p2pd sockets of the children group (this process's
+    own group) and SIGKILL that group."""
+    pgid = os.getpgid(0)
     sockets: list[Path] = []
     polls = 0
     while is_running(pid, start_time):
@@ -166,12 +154,9 @@ def _reap(pid: int, start_time: str, poll_s: float) -> None:
         polls += 1
         time.sleep(poll_s)
     sockets = sorted(set(sockets) | set(p2pd_sockets(group_pids(pgid))))
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
     for path in sockets:
         path.unlink(missing_ok=True)
+    os.killpg(pgid, signal.SIGKILL)
 
 
 def install_stop_signals() -> threading.Event:

@@ -117,7 +117,13 @@ class LearningUnit:
             state = self.state_server.download(timeout_s=max(1.0, deadline - time.monotonic()))
             if state is not None:
                 seconds = time.monotonic() - started
-                self.metrics.write("state_download", seconds=seconds, outer_round=state.outer_round)
+                self.metrics.write(
+                    "state_download",
+                    seconds=seconds,
+                    outer_round=state.outer_round,
+                    donor_inner_step=state.inner_step,
+                    donor_tokens=state.tokens,
+                )
                 logger.info("downloaded swarm state: outer_round=%d seconds=%.2f", state.outer_round, seconds)
                 return state
             time.sleep(0.5)
@@ -127,6 +133,7 @@ class LearningUnit:
         )
 
     def _adopt(self, state: SwarmState) -> None:
+        """Train from the swarm's φ, momentum and outer round; inner step and token counters stay per unit."""
         self.global_params, self.momentum = state.global_params, state.momentum
         self.outer_round = state.outer_round
         self.trainer.load_parameters(self.global_params)
@@ -192,6 +199,14 @@ class LearningUnit:
 
     def _begin_round(self) -> None:
         local_at_send = self.trainer.local_parameters()
+        if not all(torch.isfinite(tensor).all() for tensor in local_at_send):
+            # A diverged unit must not send NaN/inf: every group it joined would reject the average.
+            logger.error("local parameters are non-finite at inner step %d: restarting from φ", self.inner_step)
+            self.metrics.write("local_reset", outer_round=self.outer_round, inner_step=self.inner_step)
+            self.trainer.load_parameters(self.global_params)
+            self.trainer.reset_optimizer()
+            self.tokens_since_round = self.steps_since_round = 0
+            return
         delta = pseudo_gradient(self.global_params, local_at_send)
         params_proposal, momentum_proposal = outer_step(self.global_params, self.momentum, delta, self.hyper)
         proposal = params_proposal + (momentum_proposal if self.config.outer.sync_momentum else [])

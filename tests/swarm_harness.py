@@ -15,6 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from p2p_diloco.demo import peer_command, start_bootstrap, stop_process_group
+from p2p_diloco.lifecycle import descendant_pids
 
 # Small and quick on 2 cores: ~1 M parameter GPT-2, 4 x 64 tokens per step, a round every 10 steps.
 TEST_PEER_FLAGS = ["--seq-len", "64", "--batch-size", "4", "--inner-steps", "10", "--join-timeout-s", "30"]
@@ -85,13 +86,15 @@ class Swarm:
     def tails(self) -> str:
         return "\n".join(self.tail(name) for name in self.processes)
 
-    def kill_main_process(self, name: str) -> int:
-        """SIGKILL only the unit's main process (not its group): its children must go by themselves."""
+    def kill_main_process(self, name: str) -> list[int]:
+        """SIGKILL only the unit's main process; returns the pids of its children (watchdog, DHT and averager
+        processes, p2pd daemons), which must go by themselves."""
         process = self.processes[name]
+        children = descendant_pids(process.pid)
         self.killed.add(name)
         os.kill(process.pid, signal.SIGKILL)
         process.wait()
-        return process.pid
+        return children
 
     def stop(self, name: str, grace_s: float = 30.0) -> int | None:
         return stop_process_group(self.processes[name], grace_s)
@@ -108,18 +111,3 @@ def wait_until(condition: Callable[[], object], timeout: float, what: str) -> No
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout} s waiting for {what}")
         time.sleep(0.05)
-
-
-def group_alive(pgid: int) -> bool:
-    """True while any process of process group ``pgid`` exists (zombies excluded)."""
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[1].split()
-        if fields[0] != "Z" and int(fields[2]) == pgid:
-            return True
-    return False

@@ -19,20 +19,21 @@ pytestmark = pytest.mark.swarm
 
 PEER_SCRIPT = textwrap.dedent(
     """
-    import json, os, sys
+    import json, os, sys, threading
     from p2p_diloco.config import NetworkSection
     from p2p_diloco.dht import start_dht
-    from p2p_diloco.lifecycle import descendant_pids, own_process_group, start_orphan_reaper
+    from p2p_diloco.lifecycle import children_group, descendant_pids, install_stop_signals, start_orphan_reaper
 
-    own_process_group()
+    stop = install_stop_signals()
+    threading.Thread(target=lambda: stop.wait() and print("stop requested", flush=True), daemon=True).start()
     reaper = start_orphan_reaper()
     dht = start_dht(NetworkSection(host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
     cmdlines = {pid: open(f"/proc/{pid}/cmdline", "rb").read().decode() for pid in descendant_pids(dht.pid)}
     p2pd = [pid for pid, cmd in cmdlines.items() if "p2pd" in cmd]
     sockets = [arg.split("=/unix", 1)[1] for cmd in cmdlines.values() for arg in cmd.split("\\0")
                if arg.startswith("-listen=/unix")]
-    print(json.dumps(dict(pid=os.getpid(), pgid=os.getpgid(0), dht=dht.pid, p2pd=p2pd, reaper=reaper.pid,
-                          sockets=sockets)), flush=True)
+    print(json.dumps(dict(pid=os.getpid(), pgid=os.getpgid(0), children=children_group(), dht=dht.pid, p2pd=p2pd,
+                          reaper=reaper.pid, sockets=sockets)), flush=True)
     sys.stdin.read()  # until the test closes stdin; then exit WITHOUT shutting the DHT down
     """
 )
@@ -40,13 +41,17 @@ PEER_SCRIPT = textwrap.dedent(
 
 @pytest.fixture
 def peer():
-    """A child peer process in its own group with a reaper and a DHT; everything is killed at teardown."""
+    """A child peer process with a reaper and a DHT in its children group; everything is killed at teardown."""
     child = subprocess.Popen(
-        [sys.executable, "-c", PEER_SCRIPT], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", PEER_SCRIPT],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
     )
     info = json.loads(child.stdout.readline())
     yield child, info
-    for pid in [info["reaper"], *group_pids(info["pgid"])]:
+    for pid in [info["reaper"], *group_pids(info["children"])]:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -57,15 +62,15 @@ def peer():
 
 def test_sigkill_of_main_kills_dht_and_p2pd(peer):
     child, info = peer
-    assert info["pgid"] == info["pid"] != os.getpgid(0)
-    members = set(group_pids(info["pgid"]))
-    assert {info["pid"], info["dht"], *info["p2pd"]} <= members and info["p2pd"]
-    assert info["reaper"] not in members
+    assert info["children"] == info["reaper"] != info["pgid"]
+    members = set(group_pids(info["children"]))
+    assert {info["reaper"], info["dht"], *info["p2pd"]} <= members and info["p2pd"]
+    assert info["pid"] not in members
     assert all(Path(path).exists() for path in info["sockets"])
 
     child.send_signal(signal.SIGKILL)
     child.wait(timeout=5)
-    wait_until(lambda: not group_pids(info["pgid"]), 10, "the DHT process and p2pd to die")
+    wait_until(lambda: not group_pids(info["children"]), 10, "the DHT process and p2pd to die")
     wait_until(lambda: not is_running(info["reaper"]), 5, "the reaper to exit")
     assert not any(Path(path).exists() for path in info["sockets"])
 
@@ -74,7 +79,7 @@ def test_reaper_cleans_up_after_normal_exit(peer):
     child, info = peer
     child.stdin.close()
     assert child.wait(timeout=10) == 0
-    wait_until(lambda: not group_pids(info["pgid"]), 10, "leftover DHT process and p2pd to die")
+    wait_until(lambda: not group_pids(info["children"]), 10, "leftover DHT process and p2pd to die")
     wait_until(lambda: not is_running(info["reaper"]), 5, "the reaper to exit")
 
 
@@ -107,6 +112,18 @@ SIGNAL_SCRIPT = textwrap.dedent(
         sys.exit(3)
     """
 )
+
+
+def test_a_signal_to_the_main_group_spares_the_children(peer):
+    """SIGTERM to the peer's own group (a supervisor stopping the job, Ctrl+C) reaches the main process only,
+    which then owns the shutdown; the DHT process and p2pd must not die from the signal itself."""
+    child, info = peer
+    os.killpg(info["pgid"], signal.SIGTERM)
+    assert child.stdout.readline().strip() == "stop requested"
+    assert all(is_running(pid) for pid in [info["dht"], *info["p2pd"]])
+    child.stdin.close()
+    assert child.wait(timeout=10) == 0
+    wait_until(lambda: not group_pids(info["children"]), 10, "the reaper to remove the children")
 
 
 def test_stop_signals_first_graceful_second_sigint_aborts():

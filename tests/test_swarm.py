@@ -9,7 +9,9 @@ import time
 from pathlib import Path
 
 import pytest
-from swarm_harness import Swarm, group_alive
+from swarm_harness import Swarm
+
+from p2p_diloco.lifecycle import is_running
 
 pytestmark = pytest.mark.swarm
 
@@ -52,8 +54,13 @@ def test_sigkilled_peer_does_not_stop_the_others(swarm: Swarm) -> None:
         what="every peer to average in a group",
     )
     killed_at = time.time()
-    pgid = swarm.kill_main_process("victim")
-    swarm.wait_for(lambda: not group_alive(pgid), timeout_s=15, what="the killed peer's DHT, averager and p2pd to exit")
+    children = swarm.kill_main_process("victim")
+    assert len(children) >= 5, children  # watchdog, DHT, 2 averagers, their p2pd
+    swarm.wait_for(
+        lambda: not any(is_running(pid) for pid in children),
+        timeout_s=15,
+        what="the killed peer's DHT, averagers and p2pd to exit",
+    )
     swarm.wait_for(
         lambda: all(len(swarm.rounds(n, after=killed_at)) >= 3 for n in ("a", "b")),
         timeout_s=120,

@@ -1,0 +1,191 @@
+"""In-memory stand-ins for a learning unit's network seams, for tests only (no DHT, no processes, no threads).
+
+* :class:`FakeGroup` / :class:`FakeAverager` emulate :class:`p2p_diloco.averaging.OuterAverager`: a round
+  completes as soon as every member of the group has begun it, with the weighted mean of the proposals.
+* :class:`FakeStateServer` emulates :class:`p2p_diloco.state_sync.StateServer` (publish / download).
+* :class:`FakeRecords` emulates the part of :class:`p2p_diloco.records.SwarmRecords` a unit uses.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from p2p_diloco.averaging import RoundOutcome
+from p2p_diloco.diloco import probe_drift, weighted_average
+from p2p_diloco.records import PeerProgress
+from p2p_diloco.state_sync import SwarmState
+
+
+def clone_all(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    return [tensor.detach().clone() for tensor in tensors]
+
+
+@dataclass(frozen=True)
+class BegunRound:
+    """One ``begin_round`` call as the averager received it (tensors copied)."""
+
+    proposal: list[torch.Tensor]
+    weight: float
+    outer_round: int
+    window_s: float
+    probe: list[float]
+    started_at: float
+
+
+class FakeGroup:
+    """A fixed matchmaking group: the round completes once every member averager has begun it.
+
+    Emulates a successful all-reduce (every member gets the weighted mean of the proposals, the largest member
+    round and the probe drift) or, with ``fail=True``, a round that failed for everyone (quorum not reached).
+    """
+
+    def __init__(self, fail: bool = False):
+        self.fail = fail
+        self.members: list[FakeAverager] = []
+        self.rounds: list[dict[FakeAverager, BegunRound]] = []  # every completed round, by member
+        self._waiting: dict[FakeAverager, BegunRound] = {}
+
+    def averager(self, template: Sequence[torch.Tensor]) -> FakeAverager:
+        """A new member that averages tensor lists shaped like ``template``."""
+        member = FakeAverager(self, template)
+        self.members.append(member)
+        return member
+
+    def _join(self, member: FakeAverager, begun: BegunRound) -> None:
+        self._waiting[member] = begun
+        if len(self._waiting) < len(self.members):
+            return
+        begun_rounds, self._waiting = self._waiting, {}
+        self.rounds.append(begun_rounds)
+        for receiver, own in begun_rounds.items():
+            receiver._deliver(self._outcome(list(begun_rounds.values()), own))
+
+    def _leave(self, member: FakeAverager) -> None:
+        self._waiting.pop(member, None)
+
+    def _outcome(self, begun_rounds: list[BegunRound], own: BegunRound) -> RoundOutcome:
+        if self.fail:
+            return RoundOutcome(
+                None, 0, own.outer_round, 0.0, own.started_at, time.time(), error="FakeGroup: quorum not reached"
+            )
+        averaged = weighted_average([begun.proposal for begun in begun_rounds], [b.weight for b in begun_rounds])
+        return RoundOutcome(
+            averaged=clone_all(averaged),  # each member gets its own buffers, like the real averager
+            group_size=len(begun_rounds),
+            max_member_round=max(begun.outer_round for begun in begun_rounds),
+            total_weight=sum(begun.weight for begun in begun_rounds),
+            started_at=own.started_at,
+            finished_at=time.time(),
+            member_drift=probe_drift([begun.probe for begun in begun_rounds if begun.probe]),
+        )
+
+
+class FakeAverager:
+    """Emulates ``OuterAverager`` as a learning unit uses it, within one :class:`FakeGroup`.
+
+    Validates like the real one (one round at a time, matching shapes, positive weight) and records every
+    ``begin_round`` in ``begun``. The emulated all-reduce ends the instant the group forms, so
+    ``allreduce_running`` is never observed True: ``wait_or_cancel`` returns a ready outcome, else cancels.
+    """
+
+    def __init__(self, group: FakeGroup, template: Sequence[torch.Tensor]):
+        self.group = group
+        self.shapes = [tuple(tensor.shape) for tensor in template]
+        self.begun: list[BegunRound] = []
+        self.cancelled = 0
+        self.is_shut_down = False
+        self._in_flight = False
+        self._outcome: RoundOutcome | None = None
+
+    @property
+    def in_flight(self) -> bool:
+        return self._in_flight
+
+    @property
+    def allreduce_running(self) -> bool:
+        return False
+
+    def begin_round(
+        self,
+        proposal: Sequence[torch.Tensor],
+        weight: float,
+        outer_round: int,
+        window_s: float,
+        probe: Sequence[float] = (),
+    ) -> None:
+        if self._in_flight:
+            raise RuntimeError("an outer round is already in flight")
+        if [tuple(tensor.shape) for tensor in proposal] != self.shapes:
+            raise ValueError("proposal does not match the averaged tensors' shapes")
+        if not weight > 0:
+            raise ValueError(f"weight must be positive, got {weight}")
+        begun = BegunRound(clone_all(proposal), float(weight), int(outer_round), window_s, list(probe), time.time())
+        self.begun.append(begun)
+        self._in_flight = True
+        self.group._join(self, begun)
+
+    def _deliver(self, outcome: RoundOutcome) -> None:
+        self._outcome = outcome
+
+    def poll(self) -> RoundOutcome | None:
+        outcome, self._outcome = self._outcome, None
+        if outcome is not None:
+            self._in_flight = False
+        return outcome
+
+    def wait_or_cancel(self, timeout_s: float) -> RoundOutcome | None:
+        if self._outcome is not None:
+            return self.poll()
+        if self._in_flight:
+            self.group._leave(self)
+            self._in_flight = False
+            self.cancelled += 1
+        return None
+
+    def shutdown(self) -> None:
+        self.wait_or_cancel(0.0)
+        self.is_shut_down = True
+
+
+class FakeStateServer:
+    """Emulates ``StateServer``: ``publish`` records copies of the states; ``download`` returns ``served``
+    (a copy, like a validated download) or None when no donor answers."""
+
+    def __init__(self, served: SwarmState | None = None):
+        self.served = served
+        self.published: list[SwarmState] = []
+        self.downloads = 0
+
+    def publish(self, state: SwarmState) -> None:
+        self.published.append(_copy_state(state))
+
+    def download(self, timeout_s: float) -> SwarmState | None:
+        self.downloads += 1
+        return None if self.served is None else _copy_state(self.served)
+
+
+def _copy_state(state: SwarmState) -> SwarmState:
+    return SwarmState(
+        clone_all(state.global_params), clone_all(state.momentum), state.outer_round, state.inner_step, state.tokens
+    )
+
+
+@dataclass
+class FakeRecords:
+    """Emulates ``SwarmRecords``' progress and fingerprint records of one run, in memory (nothing expires)."""
+
+    progress: dict[str, PeerProgress] = field(default_factory=dict)
+    fingerprints: list[str] = field(default_factory=list)
+
+    def publish_progress(self, progress: PeerProgress, ttl_s: float = 60) -> None:
+        self.progress[progress.peer_id] = progress
+
+    def read_progress(self) -> dict[str, PeerProgress]:
+        return dict(self.progress)
+
+    def refresh_model_fingerprint(self, fingerprint: str, ttl_s: float = 3600) -> None:
+        self.fingerprints.append(fingerprint)

@@ -1,0 +1,433 @@
+"""LearningUnit's outer rounds, join and exit against in-memory network fakes (tests/fakes.py), with the real
+tiny model, corpus, inner trainer, checkpoints and metrics log. No network, no processes, no threads."""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+
+import pytest
+import torch
+from fakes import FakeAverager, FakeGroup, FakeRecords, FakeStateServer, clone_all
+from transformers import AutoModelForCausalLM
+
+from p2p_diloco.checkpoint import load_checkpoint, save_checkpoint
+from p2p_diloco.config import PeerConfig, load_config
+from p2p_diloco.data import load_text_data
+from p2p_diloco.diloco import (
+    consensus_probe,
+    merge_local_progress,
+    outer_step,
+    probe_drift,
+    pseudo_gradient,
+    weighted_average,
+)
+from p2p_diloco.metrics import MetricsLog
+from p2p_diloco.model import load_model
+from p2p_diloco.peer import shard_seed
+from p2p_diloco.records import PeerProgress
+from p2p_diloco.state_sync import SwarmState
+from p2p_diloco.unit import JoinError, LearningUnit
+
+ASSETS = Path(__file__).resolve().parents[1] / "p2p_diloco" / "assets"
+SEQ_LEN, BATCH_SIZE = 32, 2
+TOKENS_PER_STEP = SEQ_LEN * BATCH_SIZE
+SYNC_DATA_PARALLEL = dict(
+    outer__inner_steps=1, outer__outer_lr=1.0, outer__outer_momentum=0.0, outer__sync_momentum=True
+)
+
+
+@dataclass
+class Peer:
+    """A learning unit with its fakes and its training batch stream."""
+
+    unit: LearningUnit
+    averager: FakeAverager
+    state_server: FakeStateServer
+    records: FakeRecords
+    batches: Iterator[torch.Tensor]
+    work_dir: Path
+
+    def events(self, name: str) -> list[dict[str, Any]]:
+        lines = (self.work_dir / "metrics.jsonl").read_text().splitlines()
+        return [event for event in map(json.loads, lines) if event["event"] == name]
+
+
+PeerFactory = Callable[..., Peer]
+
+
+def make_config(work_dir: Path, **overrides: Any) -> PeerConfig:
+    settings: dict[str, Any] = dict(
+        model__model_config_path=str(ASSETS / "tiny-gpt2"),
+        model__device="cpu",
+        data__dataset=str(ASSETS / "corpus"),
+        data__seq_len=SEQ_LEN,
+        data__batch_size=BATCH_SIZE,
+        data__eval_batches=1,
+        inner__warmup_steps=0,
+        outer__inner_steps=2,
+        run__work_dir=str(work_dir),
+        run__progress=False,
+    )
+    return load_config(**{**settings, **overrides})
+
+
+@pytest.fixture
+def make_peer(tmp_path: Path) -> Iterator[PeerFactory]:
+    """Builds learning units named after their work directory (and peer id) under tmp_path."""
+    logs: list[MetricsLog] = []
+
+    def factory(
+        name: str,
+        group: FakeGroup,
+        records: FakeRecords | None = None,
+        served: SwarmState | None = None,
+        **overrides: Any,
+    ) -> Peer:
+        work_dir = tmp_path / name
+        config = make_config(work_dir, **overrides)
+        loaded = load_model(config.model)  # same seed ⇒ same initial weights on every unit
+        data = load_text_data(config.data, loaded.tokenizer, shard_seed(config.model.seed, name))
+        trained = [param for param in loaded.model.parameters() if param.requires_grad]
+        averager = group.averager(trained * 2 if config.outer.sync_momentum else trained)
+        state_server, records = FakeStateServer(served), records if records is not None else FakeRecords()
+        metrics = MetricsLog(work_dir / "metrics.jsonl")
+        logs.append(metrics)
+        unit = LearningUnit(
+            config, loaded, data, cast(Any, averager), cast(Any, state_server), cast(Any, records), name, metrics
+        )
+        return Peer(unit, averager, state_server, records, data.train_batches(), work_dir)
+
+    yield factory
+    for log in logs:
+        log.close()
+
+
+# ------------------------------------------------------------------- the steps of LearningUnit.run, one by one
+def inner_step(peer: Peer) -> None:
+    """One inner step with run()'s bookkeeping."""
+    unit = peer.unit
+    stats = unit.trainer.train_step(peer.batches)
+    unit.inner_step += 1
+    unit.steps_since_round += 1
+    unit.tokens += stats.tokens
+    unit.tokens_since_round += stats.tokens
+    unit.last_loss = stats.loss
+    unit.throughput.add(stats.tokens, stats.seconds)
+
+
+def poll(peer: Peer) -> bool:
+    """run()'s poll: merge an arrived outcome; True if one arrived."""
+    outcome = peer.unit.averager.poll()
+    if outcome is not None:
+        peer.unit._end_round(outcome)
+    return outcome is not None
+
+
+def maybe_begin(peer: Peer) -> bool:
+    """run()'s round start: every H steps unless a round is in flight; True if one began."""
+    unit = peer.unit
+    if unit.sent is None and unit.steps_since_round >= unit.config.outer.inner_steps:
+        unit._begin_round()
+        return True
+    return False
+
+
+def train_until_round(peer: Peer) -> None:
+    """Inner steps until the unit begins its next round (it must have none in flight)."""
+    assert peer.unit.sent is None
+    for _ in range(peer.unit.config.outer.inner_steps):
+        inner_step(peer)
+    assert maybe_begin(peer)
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+def assert_all_close(actual: Sequence[torch.Tensor], expected: Sequence[torch.Tensor]) -> None:
+    assert len(actual) == len(expected)
+    for a, b in zip(actual, expected):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def assert_all_equal(actual: Sequence[torch.Tensor], expected: Sequence[torch.Tensor]) -> None:
+    assert len(actual) == len(expected)
+    assert all(torch.equal(a, b) for a, b in zip(actual, expected))
+
+
+def differs(first: Sequence[torch.Tensor], second: Sequence[torch.Tensor]) -> bool:
+    return any(not torch.equal(a, b) for a, b in zip(first, second))
+
+
+def progress(peer_id: str, outer_round: int, fingerprint: str) -> PeerProgress:
+    return PeerProgress(
+        peer_id=peer_id,
+        inner_step=10 * outer_round,
+        outer_round=outer_round,
+        tokens_per_s=100.0,
+        loss=3.0,
+        last_seen=1.0,
+        group_size=2,
+        model_fingerprint=fingerprint,
+    )
+
+
+# ------------------------------------------------------------------------------------------------ rounds
+def test_h1_lr1_no_momentum_one_group_equals_synchronous_data_parallel(make_peer: PeerFactory) -> None:
+    group = FakeGroup()
+    peers = [make_peer(name, group, **SYNC_DATA_PARALLEL) for name in ("a", "b")]
+    a, b = peers
+    assert_all_equal(a.unit.global_params, b.unit.global_params)
+    for round_index in range(3):
+        phi = clone_all(a.unit.global_params)
+        local = []
+        for peer in peers:
+            inner_step(peer)
+            local.append(peer.unit.trainer.local_parameters())
+        assert differs(local[0], local[1])  # the units trained on different data
+        assert [maybe_begin(peer) for peer in peers] == [True, True]
+        assert [poll(peer) for peer in peers] == [True, True]
+        inner_updates = [pseudo_gradient(theta, phi) for theta in local]  # θ_i − φ
+        expected = [p + (ua + ub) / 2 for p, ua, ub in zip(phi, *inner_updates)]
+        for peer in peers:
+            assert_all_close(peer.unit.global_params, expected)
+            assert_all_close(peer.unit.momentum, [-(ua + ub) / 2 for ua, ub in zip(*inner_updates)])
+            assert_all_equal(peer.unit.trainer.local_parameters(), peer.unit.global_params)  # no overlap: θ = φ
+            assert peer.unit.outer_round == round_index + 1
+            assert peer.unit.tokens_since_round == 0
+        assert_all_equal(a.unit.global_params, b.unit.global_params)
+    assert [begun.weight for begun in a.averager.begun] == [TOKENS_PER_STEP] * 3
+
+
+def test_late_outcome_keeps_the_overlapped_inner_steps(make_peer: PeerFactory) -> None:
+    group = FakeGroup()
+    a, b = make_peer("a", group), make_peer("b", group)
+    for _ in range(2):
+        inner_step(a)
+    theta_sent = a.unit.trainer.local_parameters()
+    assert maybe_begin(a)
+    overlap = 3
+    for _ in range(overlap):  # the partner is late: a keeps training while its round is in flight
+        inner_step(a)
+        assert not poll(a)
+        assert not maybe_begin(a)
+    theta_now = a.unit.trainer.local_parameters()
+    train_until_round(b)
+    assert poll(a) and poll(b)
+
+    count = len(a.unit.global_params)
+    sent = group.rounds[-1]
+    averaged = weighted_average(
+        [sent[member].proposal for member in (a.averager, b.averager)], [2 * TOKENS_PER_STEP] * 2
+    )
+    assert_all_close(a.unit.global_params, averaged[:count])
+    assert_all_close(a.unit.momentum, averaged[count:])
+    assert_all_equal(a.unit.global_params, b.unit.global_params)
+    expected_theta = merge_local_progress(a.unit.global_params, theta_now, theta_sent)
+    assert_all_close(a.unit.trainer.local_parameters(), expected_theta)
+    assert differs(a.unit.trainer.local_parameters(), a.unit.global_params)  # the overlapped steps were kept
+    assert_all_equal(b.unit.trainer.local_parameters(), b.unit.global_params)  # b had no overlap
+    assert a.events("outer_round")[-1]["overlap_steps"] == overlap
+    assert a.unit.steps_since_round == 0  # the next round starts H steps after this one ended
+
+
+def test_failed_round_keeps_phi_and_round_and_carries_its_tokens(make_peer: PeerFactory) -> None:
+    group = FakeGroup(fail=True)
+    a = make_peer("a", group)
+    phi0, momentum0 = clone_all(a.unit.global_params), clone_all(a.unit.momentum)
+    train_until_round(a)
+    theta = a.unit.trainer.local_parameters()
+    assert poll(a)
+    assert_all_equal(a.unit.global_params, phi0)
+    assert_all_equal(a.unit.momentum, momentum0)
+    assert_all_equal(a.unit.trainer.local_parameters(), theta)
+    assert a.unit.outer_round == 0 and a.unit.sent is None
+    assert a.unit.tokens_since_round == 2 * TOKENS_PER_STEP
+    assert a.events("outer_round_failed")[-1]["error"] == "FakeGroup: quorum not reached"
+
+    group.fail = False
+    for _ in range(2):
+        inner_step(a)
+    theta4 = a.unit.trainer.local_parameters()
+    assert maybe_begin(a)
+    assert [begun.weight for begun in a.averager.begun] == [2 * TOKENS_PER_STEP, 4 * TOKENS_PER_STEP]
+    assert poll(a)
+    # alone in its group, the unit takes its own outer step on the pseudo-gradient of all four inner steps
+    expected_phi, expected_momentum = outer_step(phi0, momentum0, pseudo_gradient(phi0, theta4), a.unit.hyper)
+    assert_all_close(a.unit.global_params, expected_phi)
+    assert_all_close(a.unit.momentum, expected_momentum)
+    assert a.unit.outer_round == 1 and a.unit.tokens_since_round == 0
+
+
+def test_non_finite_average_is_rejected_like_a_failed_round(make_peer: PeerFactory) -> None:
+    group = FakeGroup()
+    a = make_peer("a", group)
+    template = [*a.unit.global_params, *a.unit.momentum]
+    rogue = group.averager(template)  # a member whose proposal carries a NaN into the average
+    phi0, momentum0 = clone_all(a.unit.global_params), clone_all(a.unit.momentum)
+    train_until_round(a)
+    theta = a.unit.trainer.local_parameters()
+    poisoned = clone_all(template)
+    poisoned[0].view(-1)[0] = float("nan")
+    rogue.begin_round(poisoned, weight=TOKENS_PER_STEP, outer_round=0, window_s=1.0)
+    assert poll(a)
+    assert_all_equal(a.unit.global_params, phi0)
+    assert_all_equal(a.unit.momentum, momentum0)
+    assert_all_equal(a.unit.trainer.local_parameters(), theta)
+    assert a.unit.outer_round == 0 and a.unit.sent is None
+    assert a.unit.tokens_since_round == 2 * TOKENS_PER_STEP
+    assert len(a.events("outer_round_failed")) == 1 and not a.events("outer_round")
+    assert not a.state_server.published  # nothing new to serve
+
+
+def test_a_diverged_unit_never_sends_a_non_finite_proposal(make_peer: PeerFactory) -> None:
+    b = make_peer("b", FakeGroup(), outer__inner_steps=1)
+    inner_step(b)
+    poisoned = b.unit.trainer.local_parameters()
+    poisoned[0].view(-1)[0] = float("nan")  # e.g. an inf gradient times clip coefficient 0
+    b.unit.trainer.load_parameters(poisoned)
+    for _ in range(3):
+        maybe_begin(b)
+        poll(b)
+        inner_step(b)
+    assert all(torch.isfinite(tensor).all() for begun in b.averager.begun for tensor in begun.proposal)
+    assert b.averager.begun and b.events("local_reset")
+
+
+def test_round_after_merge_is_the_largest_member_round_plus_one(make_peer: PeerFactory) -> None:
+    group = FakeGroup()
+    a, b = make_peer("a", group), make_peer("b", group)
+    a.unit.outer_round, b.unit.outer_round = 3, 5
+    b.unit.global_params = [tensor + 0.01 for tensor in b.unit.global_params]  # b's φ drifted from a's
+    drift = probe_drift([consensus_probe(peer.unit.global_params, peer.unit.probe_indices) for peer in (a, b)])
+    assert drift > 0
+    train_until_round(a)
+    train_until_round(b)
+    assert poll(a) and poll(b)
+    assert [begun.outer_round for begun in group.rounds[-1].values()] == [3, 5]
+    assert a.unit.outer_round == b.unit.outer_round == 6
+    assert a.events("outer_round")[-1]["outer_round"] == 6
+    assert a.events("outer_round")[-1]["member_drift"] == pytest.approx(drift)
+    assert a.state_server.published[-1].outer_round == 6  # the merged state is what joiners download
+    assert a.records.fingerprints == [a.unit.loaded.fingerprint]
+
+
+def test_run_begins_a_round_every_h_steps(make_peer: PeerFactory) -> None:
+    a = make_peer("a", FakeGroup(), run__max_steps=6, outer__inner_steps=2)
+    a.unit.run(threading.Event())
+    # instant solo rounds: begun after steps 2 and 5, merged at the next poll (steps 3 and 6); the step that
+    # overlapped a round counts in the next round's tokens but the next round starts H steps after the merge
+    assert a.unit.inner_step == 6 and a.unit.outer_round == 2 and a.unit.sent is None
+    assert [begun.weight for begun in a.averager.begun] == [2 * TOKENS_PER_STEP, 3 * TOKENS_PER_STEP]
+    assert [event["overlap_steps"] for event in a.events("outer_round")] == [1, 1]
+    assert a.records.progress["a"].inner_step >= 1
+
+
+# -------------------------------------------------------------------------------------------------- join
+def test_join_adopts_the_swarm_state_of_a_later_round(make_peer: PeerFactory) -> None:
+    template = make_peer("template", FakeGroup()).unit
+    generator = torch.Generator().manual_seed(1)
+    phi = [torch.randn(t.shape, generator=generator) * 0.02 for t in template.global_params]
+    momentum = [torch.randn(t.shape, generator=generator) * 1e-3 for t in template.global_params]
+    served = SwarmState(phi, momentum, outer_round=7, inner_step=140, tokens=9000)
+    records = FakeRecords({"donor": progress("donor", 7, template.loaded.fingerprint)})
+    a = make_peer("a", FakeGroup(), records=records, served=served)
+    assert a.unit.join() == "swarm"
+    assert a.state_server.downloads == 1
+    assert_all_equal(a.unit.global_params, phi)
+    assert_all_equal(a.unit.momentum, momentum)
+    assert a.unit.outer_round == 7
+    assert_all_equal(a.unit.trainer.local_parameters(), phi)
+    assert a.state_server.published[-1].outer_round == 7  # it serves the adopted state at once
+    assert a.events("state_download")[-1]["outer_round"] == 7
+
+
+def test_join_alone_starts_from_the_initial_weights(make_peer: PeerFactory) -> None:
+    a = make_peer("a", FakeGroup())
+    initial = clone_all(a.unit.global_params)
+    a.records.publish_progress(progress("a", 9, a.unit.loaded.fingerprint))  # its own stale record is ignored
+    assert a.unit.join() == "initial weights"
+    assert a.state_server.downloads == 0
+    assert_all_equal(a.unit.global_params, initial)
+    assert a.unit.outer_round == 0 and a.state_server.published[-1].outer_round == 0
+
+
+def test_join_resumes_a_checkpoint_newer_than_the_swarm(make_peer: PeerFactory) -> None:
+    first = make_peer("a", FakeGroup())
+    train_until_round(first)
+    assert poll(first)
+    inner_step(first)  # θ ≠ φ in the checkpoint
+    first.unit.outer_round = 5
+    first.unit.save()
+    records = FakeRecords({"donor": progress("donor", 3, first.unit.loaded.fingerprint)})
+    served = SwarmState(clone_all(first.unit.global_params), clone_all(first.unit.momentum), 3, 0, 0)
+    again = make_peer("a", FakeGroup(), records=records, served=served)
+    assert again.unit.join() == "checkpoint"
+    assert again.state_server.downloads == 0
+    assert again.unit.outer_round == 5 and again.unit.inner_step == 3 and again.unit.tokens == 3 * TOKENS_PER_STEP
+    assert_all_equal(again.unit.global_params, first.unit.global_params)
+    assert_all_equal(again.unit.momentum, first.unit.momentum)
+    assert_all_equal(again.unit.trainer.local_parameters(), first.unit.trainer.local_parameters())
+
+
+def test_join_prefers_a_swarm_ahead_of_the_checkpoint(make_peer: PeerFactory) -> None:
+    first = make_peer("a", FakeGroup())
+    first.unit.outer_round = 2
+    first.unit.save()
+    served = SwarmState(clone_all(first.unit.global_params), clone_all(first.unit.momentum), 4, 0, 0)
+    records = FakeRecords({"donor": progress("donor", 4, first.unit.loaded.fingerprint)})
+    again = make_peer("a", FakeGroup(), records=records, served=served)
+    assert again.unit.join() == "swarm" and again.unit.outer_round == 4
+
+
+def test_join_refuses_a_checkpoint_of_another_model(make_peer: PeerFactory) -> None:
+    a = make_peer("a", FakeGroup())
+    save_checkpoint(a.unit.checkpoint_path, {"model_fingerprint": "0" * 16, "outer_round": 1})
+    with pytest.raises(JoinError, match="another model"):
+        a.unit.join()
+
+
+def test_join_fails_when_no_live_peer_serves_the_state(make_peer: PeerFactory) -> None:
+    records = FakeRecords()
+    a = make_peer("a", FakeGroup(), records=records, network__join_timeout_s=0.01)
+    records.publish_progress(progress("donor", 2, a.unit.loaded.fingerprint))
+    with pytest.raises(JoinError, match="outer round 2"):
+        a.unit.join()
+
+
+# ------------------------------------------------------------------------------------------------ finish
+def test_finish_checkpoints_and_exports_the_global_parameters(make_peer: PeerFactory, tmp_path: Path) -> None:
+    save_dir = tmp_path / "export"
+    a = make_peer("a", FakeGroup(), run__save_dir=str(save_dir))
+    train_until_round(a)
+    assert poll(a)
+    inner_step(a)
+    theta = a.unit.trainer.local_parameters()
+    assert differs(theta, a.unit.global_params)
+    a.unit.finish()
+
+    checkpoint = load_checkpoint(a.unit.checkpoint_path)
+    assert checkpoint is not None
+    assert checkpoint["model_fingerprint"] == a.unit.loaded.fingerprint and checkpoint["outer_round"] == 1
+    assert_all_equal(checkpoint["global_params"], a.unit.global_params)
+    assert_all_equal(checkpoint["local_params"], theta)
+    assert_all_equal(a.unit.trainer.local_parameters(), theta)  # exporting φ left θ in place
+    assert (save_dir / "model.safetensors").exists()
+    exported = AutoModelForCausalLM.from_pretrained(save_dir)
+    assert_all_equal([p.detach() for p in exported.parameters() if p.requires_grad], a.unit.global_params)
+    stop = a.events("stop")[-1]
+    assert stop["outer_round"] == 1 and math.isfinite(stop["eval_loss"])
+
+
+def test_finish_drops_a_round_still_matchmaking(make_peer: PeerFactory) -> None:
+    group = FakeGroup()
+    a, _absent = make_peer("a", group), make_peer("b", group)
+    train_until_round(a)
+    a.unit.finish()
+    assert a.averager.cancelled == 1 and not a.averager.in_flight and a.unit.sent is None
+    assert a.unit.tokens_since_round == 2 * TOKENS_PER_STEP
+    checkpoint = load_checkpoint(a.unit.checkpoint_path)
+    assert checkpoint is not None and checkpoint["outer_round"] == 0
