@@ -163,11 +163,14 @@ def install_stop_signals() -> threading.Event:
     """Route SIGINT and SIGTERM to a stop Event: the first one requests a graceful stop, a second SIGINT raises
     KeyboardInterrupt. Must be called from the main thread. Forked children (DHT, averager) get SIGTERM back at
     its default action and ignore SIGINT, so their owner shuts them down and ``terminate()`` still works.
+
+    Call it again after starting a hivemind averager: ``DecentralizedAverager.run_in_background`` sets SIGINT
+    to SIG_IGN in the calling process (meant for its child), which would make Ctrl+C do nothing.
     """
     global _signals_installed
+    signal.signal(signal.SIGINT, _on_stop_signal)
+    signal.signal(signal.SIGTERM, _on_stop_signal)
     if not _signals_installed:
-        signal.signal(signal.SIGINT, _on_stop_signal)
-        signal.signal(signal.SIGTERM, _on_stop_signal)
         os.register_at_fork(after_in_child=_reset_child_signals)
         _signals_installed = True
     return _stop_event

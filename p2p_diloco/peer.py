@@ -14,6 +14,7 @@ from p2p_diloco.averaging import OuterAverager
 from p2p_diloco.config import PeerConfig
 from p2p_diloco.data import load_text_data
 from p2p_diloco.dht import start_dht
+from p2p_diloco.lifecycle import install_stop_signals
 from p2p_diloco.metrics import MetricsLog
 from p2p_diloco.model import load_model
 from p2p_diloco.records import SwarmRecords, record_validators
@@ -64,6 +65,7 @@ def run_peer(config: PeerConfig, stop: threading.Event) -> None:
         owned.callback(averager.shutdown)
         state_server = StateServer(dht, f"{prefix}_state", trained)
         owned.callback(state_server.shutdown)
+        install_stop_signals()  # starting a hivemind averager turned Ctrl+C off in this process
         metrics = owned.enter_context(MetricsLog(Path(config.run.work_dir) / "metrics.jsonl"))
         unit = LearningUnit(config, loaded, data, averager, state_server, records, peer_id, metrics)
         source = unit.join()
