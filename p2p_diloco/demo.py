@@ -30,7 +30,7 @@ class PeerSummary:
     eval_after: float | None
     outer_rounds: int
     mean_group_size: float
-    bytes_sent: int
+    bytes_sent: int | None
     inner_steps: int
 
 
@@ -131,7 +131,7 @@ def summarize(name: str, metrics_path: Path, exit_code: int | None) -> PeerSumma
         eval_after=evals[-1] if evals else None,
         outer_rounds=len(rounds),
         mean_group_size=sum(event["group_size"] for event in rounds) / len(rounds) if rounds else 0.0,
-        bytes_sent=sum(event["est_bytes_sent"] for event in rounds),
+        bytes_sent=stops[-1].get("wire_bytes_sent") if stops else None,
         inner_steps=stops[-1]["inner_step"] if stops else 0,
     )
 
@@ -142,14 +142,14 @@ def format_summary(summaries: list[PeerSummary]) -> str:
 
     lines = [
         "| peer | exit | inner steps | outer rounds | mean group size "
-        "| eval loss before | eval loss after | MiB sent (est.) |",
+        "| eval loss before | eval loss after | MiB sent on the wire |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for summary in summaries:
         lines.append(
             f"| {summary.name} | {summary.exit_code} | {summary.inner_steps} | {summary.outer_rounds} | "
             f"{summary.mean_group_size:.2f} | {loss(summary.eval_before)} | {loss(summary.eval_after)} | "
-            f"{summary.bytes_sent / 2**20:.1f} |"
+            f"{'not measured' if summary.bytes_sent is None else f'{summary.bytes_sent / 2**20:.1f}'} |"
         )
     return "\n".join(lines)
 

@@ -16,6 +16,7 @@ it resumes its checkpoint, or starts from the initial weights when the swarm has
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -42,6 +43,7 @@ from p2p_diloco.metrics import MetricsLog, ProgressBars, Throughput
 from p2p_diloco.model import LoadedModel, export_pretrained
 from p2p_diloco.records import PeerProgress, SwarmRecords
 from p2p_diloco.state_sync import StateServer, SwarmState
+from p2p_diloco.wire import WireCounter
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +93,7 @@ class LearningUnit:
         self.last_group_size = 0
         self.last_eval: float | None = None
         self.checkpoint_path = Path(config.run.work_dir) / "checkpoint.pt"
+        self.wire = WireCounter()
 
     # ----------------------------------------------------------------------------------------------- join
     def join(self) -> str:
@@ -242,7 +245,6 @@ class LearningUnit:
         self.last_group_size = outcome.group_size
         self._publish_state()
         self.records.refresh_model_fingerprint(self.loaded.fingerprint)
-        numel = sum(tensor.numel() for tensor in averaged)
         self.metrics.write(
             "outer_round",
             outer_round=self.outer_round,
@@ -251,7 +253,7 @@ class LearningUnit:
             seconds=outcome.finished_at - outcome.started_at,
             weight=sent.tokens,
             member_drift=outcome.member_drift,
-            est_bytes_sent=int(4 * numel * 2 * (outcome.group_size - 1) / outcome.group_size),
+            **self._wire_fields(),
         )
         if self.outer_round % self.config.run.eval_every_rounds == 0:
             self._evaluate("outer_round")
@@ -276,7 +278,7 @@ class LearningUnit:
                 inner_step=self.inner_step,
                 outer_round=self.outer_round,
                 tokens_per_s=float(self.throughput.tokens_per_s or 0.0),
-                loss=self.last_loss if self.last_loss == self.last_loss else 0.0,
+                loss=self.last_loss if math.isfinite(self.last_loss) else 0.0,
                 last_seen=get_dht_time(),
                 group_size=self.last_group_size,
                 model_fingerprint=self.loaded.fingerprint,
@@ -321,4 +323,13 @@ class LearningUnit:
             outer_round=self.outer_round,
             tokens=self.tokens,
             eval_loss=self.last_eval,
+            **self._wire_fields(),
         )
+
+    def _wire_fields(self) -> dict[str, int | None]:
+        """Cumulative bytes this unit's p2p daemon sent and received over TCP (None: not measurable here)."""
+        totals = self.wire.sample()
+        return {
+            "wire_bytes_sent": totals.sent if totals else None,
+            "wire_bytes_received": totals.received if totals else None,
+        }
