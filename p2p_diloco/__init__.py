@@ -1,0 +1,5 @@
+"""p2p_diloco: peer-to-peer, fault-tolerant, low-bandwidth decoupled DiLoCo training on hivemind.
+
+Entry point: the ``p2p-diloco`` command (:mod:`p2p_diloco.cli`). The algorithm is :mod:`p2p_diloco.diloco`;
+the network seam is :mod:`p2p_diloco.averaging`.
+"""

@@ -26,10 +26,12 @@ class Swarm:
         self.root, self.run_id = root, run_id
         self.processes: dict[str, subprocess.Popen] = {}
         self.killed: set[str] = set()
+        self.bootstrap_maddr: str | None = None
 
     def bootstrap(self, name: str, initial_peers: tuple[str, ...] = ()) -> str:
         process, maddr = start_bootstrap(self.root / name, initial_peers)
         self.processes[name] = process
+        self.bootstrap_maddr = self.bootstrap_maddr or maddr
         return maddr
 
     def peer(self, name: str, initial_peer: str, *extra: str, duration_s: float = 600.0) -> subprocess.Popen:
@@ -44,6 +46,7 @@ class Swarm:
             env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"},
         )
         self.processes[name] = process
+        self.killed.discard(name)
         return process
 
     def events(self, name: str, kind: str | None = None) -> list[dict]:

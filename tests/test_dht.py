@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -165,27 +166,35 @@ BOOTSTRAP_SCRIPT = textwrap.dedent(
 
 
 def test_run_bootstrap_prints_maddrs_and_exits_cleanly_on_sigterm(tmp_path, dhts):
-    child = subprocess.Popen([sys.executable, "-c", BOOTSTRAP_SCRIPT], cwd=tmp_path, stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen(
+        [sys.executable, "-c", BOOTSTRAP_SCRIPT],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    children: list[int] = []
     try:
         line = child.stdout.readline()
         assert line.startswith("initial peers: /ip4/127.0.0.1/tcp/"), line
         maddr = line.split(": ", 1)[1].strip()
         assert maddr.endswith("/p2p/" + identity_peer_id(tmp_path / "bootstrap.key"))
-        group = os.getpgid(child.pid)
-        assert group == child.pid  # run_bootstrap leads its own process group
-        assert any(b"p2pd" in Path(f"/proc/{pid}/cmdline").read_bytes() for pid in group_pids(group))
+        children = descendant_pids(child.pid)
+        assert any(b"p2pd" in Path(f"/proc/{pid}/cmdline").read_bytes() for pid in children)
+        assert all(os.getpgid(pid) != child.pid for pid in children)  # children live in the reaper's group
 
         joined = start_dht(NetworkSection(initial_peers=[maddr]), client_mode=True)
         dhts.append(joined)
-        child.send_signal(signal.SIGTERM)
+        os.killpg(child.pid, signal.SIGTERM)  # the whole job: only the node itself is in this group
         assert child.wait(timeout=15) == 0
-        wait_until(lambda: not group_pids(group), 5, "the bootstrap's DHT process and p2pd to exit")
+        wait_until(lambda: not any(is_running(pid) for pid in children), 5, "the bootstrap's DHT and p2pd to exit")
         wait_until(lambda: not _reapers_of(child.pid), 5, "the bootstrap's reaper to exit")
     finally:
         child.kill()
         child.wait()
-        for pid in group_pids(child.pid):
-            os.kill(pid, signal.SIGKILL)
+        for pid in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def _reapers_of(pid: int) -> list[int]:

@@ -70,6 +70,30 @@ def test_sigkilled_peer_does_not_stop_the_others(swarm: Swarm) -> None:
         late = swarm.rounds(name, after=killed_at)[-1]
         assert late["group_size"] == 2, late
         assert swarm.processes[name].poll() is None
+    restarted_at = time.time()
+    swarm.peer("victim", swarm.bootstrap_maddr)  # same work dir: a restart after a crash
+    assert_joined_from_swarm(swarm, "victim", donors=("a", "b"), after=restarted_at)
+
+
+def assert_joined_from_swarm(swarm: Swarm, name: str, donors: tuple[str, ...], after: float = 0.0) -> None:
+    """``name`` downloaded the swarm's state: its first eval of φ equals a donor's eval at the same round."""
+    join = swarm.wait_for(
+        lambda: [e for e in swarm.events(name, "join") if e["time"] > after], timeout_s=90, what=f"{name} to join"
+    )[0]
+    assert join["source"] == "swarm" and join["outer_round"] >= 3, join
+    assert [e for e in swarm.events(name, "state_download") if e["time"] > after]
+    first_eval = swarm.wait_for(
+        lambda: [e for e in swarm.events(name, "eval") if e["time"] > after], timeout_s=30, what=f"{name}'s eval"
+    )[0]
+    donor_evals = [
+        event["eval_loss"]
+        for donor in donors
+        for event in swarm.events(donor, "eval")
+        if event["outer_round"] == first_eval["outer_round"]
+    ]
+    # Same held-out batches and same global parameters give the same loss: the download is the swarm's φ.
+    tolerance = 1e-6 * first_eval["eval_loss"]
+    assert donor_evals and min(abs(loss - first_eval["eval_loss"]) for loss in donor_evals) <= tolerance
 
 
 def test_late_joiner_downloads_the_swarm_state(swarm: Swarm) -> None:
@@ -78,20 +102,7 @@ def test_late_joiner_downloads_the_swarm_state(swarm: Swarm) -> None:
         swarm.peer(name, maddr)
     swarm.wait_for(lambda: all(len(swarm.rounds(n)) >= 3 for n in ("a", "b")), timeout_s=150, what="3 rounds")
     swarm.peer("late", maddr)
-    join = swarm.wait_for(lambda: swarm.events("late", "join"), timeout_s=90, what="the late peer to join")[0]
-    assert join["source"] == "swarm" and join["outer_round"] >= 3
-    assert swarm.events("late", "state_download")
-    late_eval = swarm.wait_for(lambda: swarm.events("late", "eval"), timeout_s=30, what="the joiner's eval")[0]
-    donor_evals = [
-        event["eval_loss"]
-        for name in ("a", "b")
-        for event in swarm.events(name, "eval")
-        if event["outer_round"] == late_eval["outer_round"]
-    ]
-    # Same held-out batches and same global parameters give the same loss: the download is the swarm's φ.
-    assert (
-        donor_evals and min(abs(loss - late_eval["eval_loss"]) for loss in donor_evals) <= 1e-6 * late_eval["eval_loss"]
-    )
+    assert_joined_from_swarm(swarm, "late", donors=("a", "b"))
     swarm.wait_for(
         lambda: any(r["group_size"] == 3 for r in swarm.rounds("late")), timeout_s=90, what="a round with all three"
     )
