@@ -188,18 +188,16 @@ class OuterAverager:
         logger.warning("outer round %d failed (quorum %d not reached): %s", pending.outer_round, self.quorum, error)
         return RoundOutcome(None, 0, pending.outer_round, 0.0, pending.started_at, time.time(), error=error)
 
-    def wait_or_cancel(self, timeout_s: float) -> RoundOutcome | None:
-        """For shutdown: finish an all-reduce that already started (bounded by ``timeout_s``); a round still
-        matchmaking is cancelled and dropped (None), its progress stays in the local parameters."""
+    def finish_round(self, timeout_s: float) -> RoundOutcome | None:
+        """For shutdown: wait up to ``timeout_s`` for the round in flight to end (matchmaking included) and return
+        its outcome; a round still running at the deadline is cancelled and dropped (None)."""
         pending = self._pending
         if pending is None:
             return None
-        if not self.allreduce_running:
-            _cancel(pending.control)
         deadline = time.monotonic() + timeout_s
         while not pending.control.done() and time.monotonic() < deadline:
             time.sleep(0.05)
-        if pending.control.cancelled() or not pending.control.done():
+        if not pending.control.done():
             _cancel(pending.control)
             self._pending = None
             return None

@@ -90,6 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # a second Ctrl+C: the owned processes were stopped on the way out
+        print("aborted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

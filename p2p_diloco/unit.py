@@ -303,9 +303,16 @@ class LearningUnit:
         )
 
     def finish(self) -> None:
-        """Leave cleanly: finish an all-reduce already running (bounded), checkpoint, export, final eval."""
+        """Leave cleanly: hand the last steps to the swarm in a final round (bounded: the grace window plus the
+        all-reduce timeout; with quorum 1 it completes alone if nobody joins), then final eval, checkpoint and
+        export of the consensus parameters. A round that does not end in time is dropped; its progress stays in
+        the checkpoint's local parameters."""
+        if self.sent is None and self.steps_since_round > 0:
+            self._begin_round()
         if self.sent is not None:
-            outcome = self.averager.wait_or_cancel(self.config.outer.allreduce_timeout_s)
+            timeout_s = self._grace_window_s() + 1.0 + self.config.outer.allreduce_timeout_s
+            logger.info("finishing the last outer round (at most %.0f s; Ctrl+C again to abort)", timeout_s)
+            outcome = self.averager.finish_round(timeout_s)
             if outcome is not None:
                 self._end_round(outcome)
             else:

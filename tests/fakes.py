@@ -89,7 +89,8 @@ class FakeAverager:
 
     Validates like the real one (one round at a time, matching shapes, positive weight) and records every
     ``begin_round`` in ``begun``. The emulated all-reduce ends the instant the group forms, so
-    ``allreduce_running`` is never observed True: ``wait_or_cancel`` returns a ready outcome, else cancels.
+    ``allreduce_running`` is never observed True: ``finish_round`` returns a ready outcome, else cancels
+    (a group whose other members never begin does not end in time).
     """
 
     def __init__(self, group: FakeGroup, template: Sequence[torch.Tensor]):
@@ -137,7 +138,7 @@ class FakeAverager:
             self._in_flight = False
         return outcome
 
-    def wait_or_cancel(self, timeout_s: float) -> RoundOutcome | None:
+    def finish_round(self, timeout_s: float) -> RoundOutcome | None:
         if self._outcome is not None:
             return self.poll()
         if self._in_flight:
@@ -147,7 +148,7 @@ class FakeAverager:
         return None
 
     def shutdown(self) -> None:
-        self.wait_or_cancel(0.0)
+        self.finish_round(0.0)
         self.is_shut_down = True
 
 

@@ -399,30 +399,34 @@ def test_join_fails_when_no_live_peer_serves_the_state(make_peer: PeerFactory) -
 
 
 # ------------------------------------------------------------------------------------------------ finish
-def test_finish_checkpoints_and_exports_the_global_parameters(make_peer: PeerFactory, tmp_path: Path) -> None:
+def test_finish_hands_the_last_steps_to_a_final_round_then_checkpoints_and_exports(
+    make_peer: PeerFactory, tmp_path: Path
+) -> None:
     save_dir = tmp_path / "export"
     a = make_peer("a", FakeGroup(), run__save_dir=str(save_dir))
     train_until_round(a)
     assert poll(a)
     inner_step(a)
-    theta = a.unit.trainer.local_parameters()
-    assert differs(theta, a.unit.global_params)
+    phi_before, theta = clone_all(a.unit.global_params), a.unit.trainer.local_parameters()
+    assert differs(theta, phi_before)
     a.unit.finish()
 
+    final = a.averager.begun[-1]  # the one-step progress went into a last round (alone here: quorum 1)
+    assert a.unit.outer_round == 2 and final.weight == TOKENS_PER_STEP and a.unit.sent is None
+    assert differs(a.unit.global_params, phi_before)
     checkpoint = load_checkpoint(a.unit.checkpoint_path)
     assert checkpoint is not None
-    assert checkpoint["model_fingerprint"] == a.unit.loaded.fingerprint and checkpoint["outer_round"] == 1
+    assert checkpoint["model_fingerprint"] == a.unit.loaded.fingerprint and checkpoint["outer_round"] == 2
     assert_all_equal(checkpoint["global_params"], a.unit.global_params)
-    assert_all_equal(checkpoint["local_params"], theta)
-    assert_all_equal(a.unit.trainer.local_parameters(), theta)  # exporting φ left θ in place
+    assert_all_equal(checkpoint["local_params"], a.unit.trainer.local_parameters())  # exporting φ left θ in place
     assert (save_dir / "model.safetensors").exists()
     exported = AutoModelForCausalLM.from_pretrained(save_dir)
     assert_all_equal([p.detach() for p in exported.parameters() if p.requires_grad], a.unit.global_params)
     stop = a.events("stop")[-1]
-    assert stop["outer_round"] == 1 and math.isfinite(stop["eval_loss"])
+    assert stop["outer_round"] == 2 and math.isfinite(stop["eval_loss"])
 
 
-def test_finish_drops_a_round_still_matchmaking(make_peer: PeerFactory) -> None:
+def test_finish_drops_a_round_that_does_not_end_in_time(make_peer: PeerFactory) -> None:
     group = FakeGroup()
     a, _absent = make_peer("a", group), make_peer("b", group)
     train_until_round(a)
