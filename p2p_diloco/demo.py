@@ -15,6 +15,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 ASSETS = Path(__file__).parent / "assets"
 TINY_MODEL = ASSETS / "tiny-gpt2"
@@ -84,13 +85,7 @@ def start_bootstrap(work_dir: Path, initial_peers: tuple[str, ...] = ()) -> tupl
     ]
     if initial_peers:
         command += ["--initial-peers", *initial_peers]
-    process = subprocess.Popen(
-        command,
-        stdout=subprocess.PIPE,
-        stderr=open(work_dir / "bootstrap.log", "w"),
-        text=True,
-        start_new_session=True,
-    )
+    process = spawn(command, work_dir / "bootstrap.log", stdout=subprocess.PIPE, text=True)
     deadline = time.monotonic() + BOOTSTRAP_TIMEOUT_S
     assert process.stdout is not None
     while time.monotonic() < deadline:
@@ -102,6 +97,15 @@ def start_bootstrap(work_dir: Path, initial_peers: tuple[str, ...] = ()) -> tupl
                 return process, word
     stop_process_group(process)
     raise RuntimeError(f"the bootstrap node printed no multiaddr; see {work_dir / 'bootstrap.log'}")
+
+
+def spawn(command: list[str], log_path: Path, **popen_kwargs: Any) -> subprocess.Popen:
+    """Start ``command`` in a new session (its own process group) with stderr, and stdout unless redirected
+    by ``popen_kwargs``, appended to ``log_path``."""
+    with open(log_path, "a") as log:
+        popen_kwargs.setdefault("stdout", log)
+        stderr = subprocess.STDOUT if popen_kwargs["stdout"] is log else log
+        return subprocess.Popen(command, stderr=stderr, start_new_session=True, **popen_kwargs)
 
 
 def stop_process_group(process: subprocess.Popen, grace_s: float = 20.0) -> int | None:
@@ -165,14 +169,7 @@ def run_demo(peers: int, duration_s: float, work_dir: Path) -> int:
         for index in range(peers):
             unit_dir = work_dir / f"peer{index}"
             unit_dir.mkdir(parents=True, exist_ok=True)
-            units.append(
-                subprocess.Popen(
-                    peer_command(maddr, unit_dir, duration_s),
-                    stdout=open(unit_dir / "stdout.log", "w"),
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
-            )
+            units.append(spawn(peer_command(maddr, unit_dir, duration_s), unit_dir / "stdout.log"))
         print(f"{peers} learning units training for {duration_s:.0f} s (logs in {work_dir}/peer*/)", flush=True)
         deadline = time.monotonic() + duration_s + 180.0
         while time.monotonic() < deadline and any(unit.poll() is None for unit in units):

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from p2p_diloco.demo import peer_command, start_bootstrap, stop_process_group
+from p2p_diloco.demo import peer_command, spawn, start_bootstrap, stop_process_group
 from p2p_diloco.lifecycle import descendant_pids
 
 # Small and quick on 2 cores: ~1 M parameter GPT-2, 4 x 64 tokens per step, a round every 10 steps.
@@ -38,13 +38,7 @@ class Swarm:
         work_dir = self.root / name
         work_dir.mkdir(parents=True, exist_ok=True)
         command = peer_command(initial_peer, work_dir, duration_s, run_id=self.run_id) + TEST_PEER_FLAGS + list(extra)
-        process = subprocess.Popen(
-            command,
-            stdout=open(work_dir / "stdout.log", "w"),
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"},
-        )
+        process = spawn(command, work_dir / "stdout.log")
         self.processes[name] = process
         self.killed.discard(name)
         return process
