@@ -7,14 +7,11 @@ prints one ``error: ...`` line to stderr and exits with status 2.
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 from pathlib import Path
 
 from p2p_diloco.config import ConfigError, add_config_arguments, load_config, load_network_section
 from p2p_diloco.errors import UserError
-
-logger = logging.getLogger("p2p_diloco")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -39,7 +36,9 @@ def _parser() -> argparse.ArgumentParser:
     demo = commands.add_parser("demo", help="bootstrap + several peers on 127.0.0.1 with the embedded model and corpus")
     demo.add_argument("--peers", type=int, default=3, help="learning units to start (default 3)")
     demo.add_argument("--duration", type=float, default=60.0, help="seconds of training per peer (default 60)")
-    demo.add_argument("--work-dir", type=Path, default=Path("runs/demo"), help="logs, metrics, checkpoints, export")
+    demo.add_argument(
+        "--work-dir", type=Path, default=Path("runs/demo"), help="each run writes a new run-<time> folder here"
+    )
     demo.set_defaults(handler=_demo)
     return parser
 

@@ -159,9 +159,10 @@ def format_summary(summaries: list[PeerSummary]) -> str:
 
 
 def run_demo(peers: int, duration_s: float, work_dir: Path) -> int:
-    """Run the local swarm and print its summary. Exit code 0 when every unit exited 0, groups of several
-    units formed and every unit's consensus eval loss fell; 1 otherwise. Every process is stopped on exit."""
-    work_dir = Path(work_dir)
+    """Run the local swarm in a new ``run-<time>-<pid>`` folder of ``work_dir`` (earlier runs are kept and never
+    resumed) and print its summary. Exit code 0 when every unit exited 0, groups of several units formed and
+    every unit's consensus eval loss fell; 1 otherwise. Every process is stopped on exit."""
+    work_dir = Path(work_dir) / f"run-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
     bootstrap, maddr = start_bootstrap(work_dir)
     print(f"bootstrap node up: {maddr}", flush=True)
     units: list[subprocess.Popen] = []

@@ -40,8 +40,10 @@ def test_demo_trains_three_peers_in_groups(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "demo succeeded" in result.stdout
+    (run_dir,) = tmp_path.glob("run-*")
+    assert (run_dir / "summary.md").exists()
     for index in range(3):
-        assert (tmp_path / f"peer{index}" / "model" / "model.safetensors").exists()
+        assert (run_dir / f"peer{index}" / "model" / "model.safetensors").exists()
 
 
 def test_sigkilled_peer_does_not_stop_the_others(swarm: Swarm) -> None:
