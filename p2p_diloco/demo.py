@@ -95,7 +95,7 @@ def start_bootstrap(work_dir: Path, initial_peers: tuple[str, ...] = ()) -> tupl
         for word in line.split():
             if word.startswith("/ip4/127.0.0.1/") and "/p2p/" in word:
                 return process, word
-    stop_process_group(process)
+    stop_process_groups([process])
     raise RuntimeError(f"the bootstrap node printed no multiaddr; see {work_dir / 'bootstrap.log'}")
 
 
@@ -108,18 +108,21 @@ def spawn(command: list[str], log_path: Path, **popen_kwargs: Any) -> subprocess
         return subprocess.Popen(command, stderr=stderr, start_new_session=True, **popen_kwargs)
 
 
-def stop_process_group(process: subprocess.Popen, grace_s: float = 20.0) -> int | None:
-    """SIGTERM the process's group, wait up to ``grace_s``, then SIGKILL the group; returns the exit code."""
-    if process.poll() is None:
+def stop_process_groups(processes: list[subprocess.Popen], grace_s: float = 20.0) -> list[int]:
+    """SIGTERM every process's group at once, wait up to ``grace_s`` in all, then SIGKILL the groups still
+    there; returns the exit codes in order."""
+    for process in processes:
+        if process.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    for process in processes:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=max(0.0, deadline - time.monotonic()))
+    for process in processes:
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            pass
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGKILL)
-    return process.wait()
+            os.killpg(process.pid, signal.SIGKILL)
+    return [process.wait() for process in processes]
 
 
 def summarize(name: str, metrics_path: Path, exit_code: int | None) -> PeerSummary:
@@ -176,8 +179,8 @@ def run_demo(peers: int, duration_s: float, work_dir: Path) -> int:
         while time.monotonic() < deadline and any(unit.poll() is None for unit in units):
             time.sleep(1.0)
     finally:
-        exit_codes = [stop_process_group(unit) for unit in units]
-        stop_process_group(bootstrap)
+        exit_codes = stop_process_groups(units)
+        stop_process_groups([bootstrap])
     summaries = [
         summarize(f"peer{index}", work_dir / f"peer{index}" / "metrics.jsonl", code)
         for index, code in enumerate(exit_codes)

@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from p2p_diloco.demo import peer_command, spawn, start_bootstrap, stop_process_group
+from p2p_diloco.demo import peer_command, spawn, start_bootstrap, stop_process_groups
 from p2p_diloco.lifecycle import descendant_pids
 
 # Small and quick on 2 cores: ~1 M parameter GPT-2, 4 x 64 tokens per step, a round every 10 steps.
@@ -93,12 +93,8 @@ class Swarm:
         process.wait()
         return children
 
-    def stop(self, name: str, grace_s: float = 30.0) -> int | None:
-        return stop_process_group(self.processes[name], grace_s)
-
     def close(self) -> None:
-        for process in self.processes.values():
-            stop_process_group(process, grace_s=10.0)
+        stop_process_groups(list(self.processes.values()), grace_s=15.0)
 
 
 def wait_until(condition: Callable[[], object], timeout: float, what: str) -> None:
