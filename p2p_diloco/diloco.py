@@ -116,16 +116,23 @@ def _check_same_shapes(first: Sequence[torch.Tensor], second: Sequence[torch.Ten
 
 
 def consensus_probe_indices(global_params: Sequence[torch.Tensor], size: int = 1024, seed: int = 0) -> torch.Tensor:
-    """Fixed pseudo-random flat coordinates of φ; identical on every unit with the same architecture."""
+    """Fixed pseudo-random flat coordinates of φ, sorted; identical on every unit with the same architecture."""
     total = sum(tensor.numel() for tensor in global_params)
     generator = torch.Generator().manual_seed(seed)
-    return torch.randint(0, total, (min(size, total),), generator=generator)
+    return torch.randint(0, total, (min(size, total),), generator=generator).sort().values
 
 
 def consensus_probe(global_params: Sequence[torch.Tensor], indices: torch.Tensor) -> list[float]:
-    """φ at the probe coordinates: units compare probes to estimate their drift without sending φ."""
-    flat = torch.cat([tensor.detach().reshape(-1).float().cpu() for tensor in global_params])
-    return flat[indices].tolist()
+    """φ at the probe coordinates (sorted flat indices over the concatenated tensors), read tensor by tensor
+    without copying φ: units compare probes to estimate their drift without sending φ."""
+    values: list[float] = []
+    offset = 0
+    for tensor in global_params:
+        count = tensor.numel()
+        inside = indices[(indices >= offset) & (indices < offset + count)] - offset
+        values += tensor.detach().reshape(-1)[inside.to(tensor.device)].float().cpu().tolist()
+        offset += count
+    return values
 
 
 def probe_drift(probes: Sequence[Sequence[float]]) -> float:
