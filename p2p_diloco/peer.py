@@ -13,7 +13,7 @@ import torch
 from p2p_diloco.averaging import OuterAverager
 from p2p_diloco.config import PeerConfig
 from p2p_diloco.data import load_text_data
-from p2p_diloco.dht import start_dht
+from p2p_diloco.dht import start_dht, stop_dht
 from p2p_diloco.lifecycle import install_stop_signals
 from p2p_diloco.metrics import MetricsLog
 from p2p_diloco.model import load_model
@@ -42,7 +42,7 @@ def run_peer(config: PeerConfig, stop: threading.Event) -> None:
     validators = record_validators(run_id)
     with contextlib.ExitStack() as owned:
         dht = start_dht(config.network, record_validators=validators)
-        owned.callback(dht.shutdown)
+        owned.callback(stop_dht, dht)
         peer_id = str(dht.peer_id)
         records = SwarmRecords(dht, run_id, validators)
         swarm_fingerprint = records.claim_model_fingerprint(loaded.fingerprint)
