@@ -13,7 +13,7 @@ import torch
 from p2p_diloco.averaging import OuterAverager
 from p2p_diloco.config import PeerConfig
 from p2p_diloco.data import load_text_data
-from p2p_diloco.dht import start_dht, stop_dht
+from p2p_diloco.dht import start_dht, stop_dht, visible_multiaddrs
 from p2p_diloco.lifecycle import install_stop_signals
 from p2p_diloco.metrics import MetricsLog
 from p2p_diloco.model import load_model
@@ -44,6 +44,7 @@ def run_peer(config: PeerConfig, stop: threading.Event) -> None:
         dht = start_dht(config.network, record_validators=validators)
         owned.callback(stop_dht, dht)
         peer_id = str(dht.peer_id)
+        logger.info("other peers can join through: %s", " ".join(visible_multiaddrs(dht)))
         records = SwarmRecords(dht, run_id, validators)
         swarm_fingerprint = records.claim_model_fingerprint(loaded.fingerprint)
         if swarm_fingerprint != loaded.fingerprint:
