@@ -123,12 +123,7 @@ class OuterAverager:
 
         Raises RuntimeError if a round is already in flight and ValueError for a proposal of another shape.
         """
-        if self._pending is not None:
-            raise RuntimeError("an outer round is already in flight")
-        if [tuple(tensor.shape) for tensor in proposal] != self._shapes:
-            raise ValueError("proposal does not match the averaged tensors' shapes")
-        if not weight > 0:
-            raise ValueError(f"weight must be positive, got {weight}")
+        check_round_request(self._pending is not None, self._shapes, proposal, weight)
         proposal = [tensor.detach().to(device="cpu", dtype=torch.float32) for tensor in proposal]
         with self._averager.get_tensors() as buffers:
             for buffer, tensor in zip(buffers, proposal):
@@ -208,6 +203,19 @@ class OuterAverager:
             _cancel(self._pending.control)
         self._pending = None
         self._averager.shutdown()
+
+
+def check_round_request(
+    in_flight: bool, shapes: Sequence[tuple[int, ...]], proposal: Sequence[torch.Tensor], weight: float
+) -> None:
+    """The preconditions of ``begin_round``: RuntimeError if a round is in flight, ValueError for a proposal of
+    other shapes or a weight that is not positive."""
+    if in_flight:
+        raise RuntimeError("an outer round is already in flight")
+    if [tuple(tensor.shape) for tensor in proposal] != list(shapes):
+        raise ValueError("proposal does not match the averaged tensors' shapes")
+    if not weight > 0:
+        raise ValueError(f"weight must be positive, got {weight}")
 
 
 def _cancel(control: StepControl) -> None:

@@ -19,6 +19,7 @@ import logging
 import math
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,7 +39,7 @@ from p2p_diloco.diloco import (
     pseudo_gradient,
 )
 from p2p_diloco.errors import UserError
-from p2p_diloco.inner import InnerTrainer
+from p2p_diloco.inner import InnerTrainer, StepStats
 from p2p_diloco.metrics import MetricsLog, ProgressBars, Throughput
 from p2p_diloco.model import LoadedModel, export_pretrained
 from p2p_diloco.records import PeerProgress, SwarmRecords
@@ -166,27 +167,44 @@ class LearningUnit:
                     break
                 if run.max_time_s is not None and time.monotonic() - started >= run.max_time_s:
                     break
-                stats = self.trainer.train_step(batches)
-                self.inner_step += 1
-                self.steps_since_round += 1
-                self.tokens += stats.tokens
-                self.tokens_since_round += stats.tokens
-                self.last_loss = stats.loss
-                self.throughput.add(stats.tokens, stats.seconds)
+                stats = self.train_step(batches)
                 progress.inner_step(stats.loss, self.throughput.tokens_per_s or 0.0)
                 if self.inner_step % 10 == 0:
                     self.metrics.write("inner_step", step=self.inner_step, loss=stats.loss, seconds=stats.seconds)
-                outcome = self.averager.poll()
+                outcome = self.poll_round()
                 if outcome is not None:
-                    self._end_round(outcome)
                     progress.outer_round(outcome.group_size, self.last_eval)
-                if self.sent is None and self.steps_since_round >= self.config.outer.inner_steps:
-                    self._begin_round()
+                self.maybe_begin_round()
                 if time.monotonic() - last_progress >= PROGRESS_EVERY_S:
                     self._publish_progress()
                     last_progress = time.monotonic()
         finally:
             progress.close()
+
+    def train_step(self, batches: Iterator[torch.Tensor]) -> StepStats:
+        """One inner step and its bookkeeping (counters, throughput)."""
+        stats = self.trainer.train_step(batches)
+        self.inner_step += 1
+        self.steps_since_round += 1
+        self.tokens += stats.tokens
+        self.tokens_since_round += stats.tokens
+        self.last_loss = stats.loss
+        self.throughput.add(stats.tokens, stats.seconds)
+        return stats
+
+    def poll_round(self) -> RoundOutcome | None:
+        """Merge the outcome of the round in flight if it arrived; never waits."""
+        outcome = self.averager.poll()
+        if outcome is not None:
+            self._end_round(outcome)
+        return outcome
+
+    def maybe_begin_round(self) -> bool:
+        """Begin a round when H inner steps passed since the last one ended and none is in flight."""
+        if self.sent is None and self.steps_since_round >= self.config.outer.inner_steps:
+            self._begin_round()
+            return True
+        return False
 
     def _grace_window_s(self) -> float:
         """How long a round recruits members: grace_fraction × H measured step times, clamped.

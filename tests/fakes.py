@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from p2p_diloco.averaging import RoundOutcome
+from p2p_diloco.averaging import RoundOutcome, check_round_request
 from p2p_diloco.diloco import probe_drift, weighted_average
 from p2p_diloco.records import PeerProgress
 from p2p_diloco.state_sync import SwarmState
@@ -118,12 +118,7 @@ class FakeAverager:
         window_s: float,
         probe: Sequence[float] = (),
     ) -> None:
-        if self._in_flight:
-            raise RuntimeError("an outer round is already in flight")
-        if [tuple(tensor.shape) for tensor in proposal] != self.shapes:
-            raise ValueError("proposal does not match the averaged tensors' shapes")
-        if not weight > 0:
-            raise ValueError(f"weight must be positive, got {weight}")
+        check_round_request(self._in_flight, self.shapes, proposal, weight)
         begun = BegunRound(clone_all(proposal), float(weight), int(outer_round), window_s, list(probe), time.time())
         self.begun.append(begun)
         self._in_flight = True

@@ -110,32 +110,15 @@ def make_peer(tmp_path: Path) -> Iterator[PeerFactory]:
 
 # ------------------------------------------------------------------- the steps of LearningUnit.run, one by one
 def inner_step(peer: Peer) -> None:
-    """One inner step with run()'s bookkeeping."""
-    unit = peer.unit
-    stats = unit.trainer.train_step(peer.batches)
-    unit.inner_step += 1
-    unit.steps_since_round += 1
-    unit.tokens += stats.tokens
-    unit.tokens_since_round += stats.tokens
-    unit.last_loss = stats.loss
-    unit.throughput.add(stats.tokens, stats.seconds)
+    peer.unit.train_step(peer.batches)
 
 
 def poll(peer: Peer) -> bool:
-    """run()'s poll: merge an arrived outcome; True if one arrived."""
-    outcome = peer.unit.averager.poll()
-    if outcome is not None:
-        peer.unit._end_round(outcome)
-    return outcome is not None
+    return peer.unit.poll_round() is not None
 
 
 def maybe_begin(peer: Peer) -> bool:
-    """run()'s round start: every H steps unless a round is in flight; True if one began."""
-    unit = peer.unit
-    if unit.sent is None and unit.steps_since_round >= unit.config.outer.inner_steps:
-        unit._begin_round()
-        return True
-    return False
+    return peer.unit.maybe_begin_round()
 
 
 def train_until_round(peer: Peer) -> None:
