@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import hivemind
 import torch
-from hivemind.averaging.control import AveragingStage, StepControl
+from hivemind.averaging.control import StepControl
 from hivemind.utils import get_dht_time
 
 from p2p_diloco.diloco import probe_drift
@@ -98,15 +98,6 @@ class OuterAverager:
             allreduce_timeout=allreduce_timeout_s,
         )
         self._pending: _PendingRound | None = None
-
-    @property
-    def in_flight(self) -> bool:
-        return self._pending is not None
-
-    @property
-    def allreduce_running(self) -> bool:
-        """True once the group has formed and the all-reduce itself is running."""
-        return self._pending is not None and self._pending.control.stage == AveragingStage.RUNNING_ALLREDUCE
 
     def begin_round(
         self,

@@ -88,9 +88,8 @@ class FakeAverager:
     """Emulates ``OuterAverager`` as a learning unit uses it, within one :class:`FakeGroup`.
 
     Validates like the real one (one round at a time, matching shapes, positive weight) and records every
-    ``begin_round`` in ``begun``. The emulated all-reduce ends the instant the group forms, so
-    ``allreduce_running`` is never observed True: ``finish_round`` returns a ready outcome, else cancels
-    (a group whose other members never begin does not end in time).
+    ``begin_round`` in ``begun``. The emulated all-reduce ends the instant the group forms: ``finish_round``
+    returns a ready outcome, else cancels (a group whose other members never begin does not end in time).
     """
 
     def __init__(self, group: FakeGroup, template: Sequence[torch.Tensor]):
@@ -105,10 +104,6 @@ class FakeAverager:
     @property
     def in_flight(self) -> bool:
         return self._in_flight
-
-    @property
-    def allreduce_running(self) -> bool:
-        return False
 
     def begin_round(
         self,
