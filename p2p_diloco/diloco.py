@@ -98,15 +98,6 @@ def merge_local_progress(
     return merged
 
 
-def max_relative_drift(reference: Sequence[torch.Tensor], other: Sequence[torch.Tensor]) -> float:
-    """‖a − b‖ / ‖a‖ over all tensors: how far two units' global parameters are apart."""
-    _check_same_shapes(reference, other)
-    zero = torch.zeros((), dtype=torch.float64)
-    difference = torch.sqrt(sum((((a.double() - b.double()) ** 2).sum() for a, b in zip(reference, other)), zero))
-    norm = torch.sqrt(sum(((a.double() ** 2).sum() for a in reference), zero))
-    return float(difference / norm.clamp_min(1e-30))
-
-
 def _check_same_shapes(first: Sequence[torch.Tensor], second: Sequence[torch.Tensor]) -> None:
     if len(first) != len(second):
         raise ValueError(f"tensor lists differ in length: {len(first)} vs {len(second)}")

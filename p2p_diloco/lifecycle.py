@@ -176,11 +176,6 @@ def install_stop_signals() -> threading.Event:
     return _stop_event
 
 
-def stop_requested() -> threading.Event:
-    """The process-wide stop Event set by the signals of :func:`install_stop_signals`."""
-    return _stop_event
-
-
 def _on_stop_signal(signum: int, _frame: object) -> None:
     if signum == signal.SIGINT and _stop_event.is_set():
         raise KeyboardInterrupt
