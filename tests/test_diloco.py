@@ -189,6 +189,12 @@ def test_consensus_probe_reads_fixed_coordinates() -> None:
     assert len(consensus_probe_indices(params, size=10_000)) == flat.numel()
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_weighted_average_rejects_non_finite_weights(bad: float) -> None:
+    with pytest.raises(ValueError):
+        weighted_average([_tensors(0), _tensors(1)], [bad, 1.0])
+
+
 def test_probe_drift_of_a_known_pair() -> None:
     assert probe_drift([[3.0, 4.0]]) == 0.0
     assert probe_drift([[3.0, 4.0], [3.0, 4.0]]) == 0.0
