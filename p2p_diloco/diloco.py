@@ -98,6 +98,11 @@ def merge_local_progress(
     return merged
 
 
+def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
+    """True when no tensor holds a NaN or an infinity."""
+    return all(bool(torch.isfinite(tensor).all()) for tensor in tensors)
+
+
 def _check_same_shapes(first: Sequence[torch.Tensor], second: Sequence[torch.Tensor]) -> None:
     if len(first) != len(second):
         raise ValueError(f"tensor lists differ in length: {len(first)} vs {len(second)}")

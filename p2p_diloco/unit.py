@@ -32,6 +32,7 @@ from p2p_diloco.config import PeerConfig
 from p2p_diloco.data import TextData
 from p2p_diloco.diloco import (
     OuterHyperparams,
+    all_finite,
     consensus_probe,
     consensus_probe_indices,
     merge_local_progress,
@@ -220,7 +221,7 @@ class LearningUnit:
 
     def _begin_round(self) -> None:
         local_at_send = self.trainer.local_parameters()
-        if not all(torch.isfinite(tensor).all() for tensor in local_at_send):
+        if not all_finite(local_at_send):
             # A diverged unit must not send NaN/inf: every group it joined would reject the average.
             logger.error("local parameters are non-finite at inner step %d: restarting from φ", self.inner_step)
             self.metrics.write("local_reset", outer_round=self.outer_round, inner_step=self.inner_step)
@@ -246,7 +247,7 @@ class LearningUnit:
         assert sent is not None, "an outcome arrived without a round in flight"
         self.steps_since_round = 0
         averaged = outcome.averaged
-        if averaged is not None and not all(torch.isfinite(tensor).all() for tensor in averaged):
+        if averaged is not None and not all_finite(averaged):
             logger.error("rejected a non-finite average in outer round %d", self.outer_round)
             averaged = None
         if averaged is None:

@@ -141,6 +141,18 @@ def assert_all_equal(actual: Sequence[torch.Tensor], expected: Sequence[torch.Te
     assert all(torch.equal(a, b) for a, b in zip(actual, expected))
 
 
+def assert_round_changed_nothing(
+    peer: Peer, phi: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor], theta: Sequence[torch.Tensor]
+) -> None:
+    """A rejected first round: φ, momentum, θ and the round unchanged, its two steps' tokens carried over."""
+    unit = peer.unit
+    assert_all_equal(unit.global_params, phi)
+    assert_all_equal(unit.momentum, momentum)
+    assert_all_equal(unit.trainer.local_parameters(), theta)
+    assert unit.outer_round == 0 and unit.sent is None
+    assert unit.tokens_since_round == 2 * TOKENS_PER_STEP
+
+
 def differs(first: Sequence[torch.Tensor], second: Sequence[torch.Tensor]) -> bool:
     return any(not torch.equal(a, b) for a, b in zip(first, second))
 
@@ -224,11 +236,7 @@ def test_failed_round_keeps_phi_and_round_and_carries_its_tokens(make_peer: Peer
     train_until_round(a)
     theta = a.unit.trainer.local_parameters()
     assert poll(a)
-    assert_all_equal(a.unit.global_params, phi0)
-    assert_all_equal(a.unit.momentum, momentum0)
-    assert_all_equal(a.unit.trainer.local_parameters(), theta)
-    assert a.unit.outer_round == 0 and a.unit.sent is None
-    assert a.unit.tokens_since_round == 2 * TOKENS_PER_STEP
+    assert_round_changed_nothing(a, phi0, momentum0, theta)
     assert a.events("outer_round_failed")[-1]["error"] == "FakeGroup: quorum not reached"
 
     group.fail = False
@@ -257,11 +265,7 @@ def test_non_finite_average_is_rejected_like_a_failed_round(make_peer: PeerFacto
     poisoned[0].view(-1)[0] = float("nan")
     rogue.begin_round(poisoned, weight=TOKENS_PER_STEP, outer_round=0, window_s=1.0)
     assert poll(a)
-    assert_all_equal(a.unit.global_params, phi0)
-    assert_all_equal(a.unit.momentum, momentum0)
-    assert_all_equal(a.unit.trainer.local_parameters(), theta)
-    assert a.unit.outer_round == 0 and a.unit.sent is None
-    assert a.unit.tokens_since_round == 2 * TOKENS_PER_STEP
+    assert_round_changed_nothing(a, phi0, momentum0, theta)
     assert len(a.events("outer_round_failed")) == 1 and not a.events("outer_round")
     assert not a.state_server.published  # nothing new to serve
 
