@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -70,9 +71,11 @@ def peer_command(initial_peer: str, work_dir: Path, duration_s: float, run_id: s
     ]
 
 
-def start_bootstrap(work_dir: Path, initial_peers: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
-    """Start ``p2p-diloco bootstrap`` on 127.0.0.1 and return it with the first multiaddr it prints."""
-    work_dir.mkdir(parents=True, exist_ok=True)
+def bootstrap_command(
+    work_dir: Path, initial_peers: tuple[str, ...] = (), host: str = "127.0.0.1", port: int = 0
+) -> list[str]:
+    """The ``p2p-diloco bootstrap`` command line listening on ``host``:``port`` (0: any free port). Its identity is
+    kept in ``work_dir``, so a restart on the same port serves the same multiaddr."""
     command = [
         sys.executable,
         "-m",
@@ -81,11 +84,23 @@ def start_bootstrap(work_dir: Path, initial_peers: tuple[str, ...] = ()) -> tupl
         "--identity-path",
         str(work_dir / "bootstrap.key"),
         "--host-maddrs",
-        "/ip4/127.0.0.1/tcp/0",
+        f"/ip4/{host}/tcp/{port}",
     ]
-    if initial_peers:
-        command += ["--initial-peers", *initial_peers]
-    process = spawn(command, work_dir / "bootstrap.log", stdout=subprocess.PIPE, text=True)
+    return command + (["--initial-peers", *initial_peers] if initial_peers else [])
+
+
+def start_bootstrap(
+    work_dir: Path,
+    initial_peers: tuple[str, ...] = (),
+    host: str = "127.0.0.1",
+    port: int = 0,
+    wrap: Callable[[list[str]], list[str]] | None = None,
+) -> tuple[subprocess.Popen, str]:
+    """Start :func:`bootstrap_command` and return it with the first multiaddr it prints. ``wrap`` turns the command
+    into one that runs elsewhere (e.g. in a network namespace)."""
+    work_dir.mkdir(parents=True, exist_ok=True)
+    command = bootstrap_command(work_dir, initial_peers, host, port)
+    process = spawn(wrap(command) if wrap else command, work_dir / "bootstrap.log", stdout=subprocess.PIPE, text=True)
     deadline = time.monotonic() + BOOTSTRAP_TIMEOUT_S
     assert process.stdout is not None
     while time.monotonic() < deadline:
@@ -93,7 +108,7 @@ def start_bootstrap(work_dir: Path, initial_peers: tuple[str, ...] = ()) -> tupl
         if not line:
             break
         for word in line.split():
-            if word.startswith("/ip4/127.0.0.1/") and "/p2p/" in word:
+            if word.startswith(f"/ip4/{host}/") and "/p2p/" in word:
                 return process, word
     stop_process_groups([process])
     raise RuntimeError(f"the bootstrap node printed no multiaddr; see {work_dir / 'bootstrap.log'}")
