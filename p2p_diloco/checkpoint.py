@@ -1,10 +1,10 @@
 """Atomic local checkpoints: a process may be killed at any instant without corrupting the last checkpoint.
 
-A save writes to a temporary file in the checkpoint's directory, fsyncs it, renames it over the
-checkpoint (``os.replace`` is atomic on POSIX) and fsyncs the directory. Readers therefore see either
-the previous checkpoint or the new one, never a partial file. One process writes a given path at a
-time (a peer owns its work directory); temporary files left by a killed writer are removed by the
-next save of the same path.
+:func:`atomic_write` (also used for other files of a work directory) writes to a temporary file in the
+target's directory, fsyncs it, renames it over the target (``os.replace`` is atomic on POSIX) and fsyncs
+the directory. Readers therefore see either the previous file or the new one, never a partial file. One
+process writes a given path at a time (a peer owns its work directory); temporary files left by a killed
+writer are removed by the next write of the same path.
 
 On disk: ``{"format": CHECKPOINT_FORMAT, "payload": payload}`` written with ``torch.save`` and read
 with ``weights_only=True``, so a payload holds only (nested) dicts, lists, tuples, tensors, numbers,
@@ -16,12 +16,13 @@ from __future__ import annotations
 import glob
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 
-from p2p_diloco.errors import UserError
+from p2p_diloco.errors import UserError, first_line
 
 CHECKPOINT_FORMAT = 1
 
@@ -35,13 +36,20 @@ def save_checkpoint(path: Path, payload: dict[str, Any]) -> None:
 
     If this raises or the process dies, ``path`` still holds the previous checkpoint (or is absent).
     """
+    atomic_write(path, lambda file: torch.save({"format": CHECKPOINT_FORMAT, "payload": payload}, file))
+
+
+def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
+    """Atomically replace ``path`` with the bytes ``write`` writes to the file it is given; creates the parent
+    directory. If ``write`` (or the disk) raises, or the process dies, ``path`` still holds its previous content
+    (or is absent) and the exception propagates."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     _remove_leftover_temp_files(path)
     handle = tempfile.NamedTemporaryFile(dir=path.parent, prefix=_temp_prefix(path), suffix=".tmp", delete=False)
     try:
         with handle:
-            torch.save({"format": CHECKPOINT_FORMAT, "payload": payload}, handle)
+            write(handle)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(handle.name, path)
@@ -63,7 +71,7 @@ def load_checkpoint(path: Path) -> dict[str, Any] | None:
     except FileNotFoundError:
         return None
     except Exception as error:  # torch raises RuntimeError, UnpicklingError, EOFError, ... for bad files
-        raise CheckpointError(f"checkpoint {path} is unreadable: {_first_line(error)}") from None
+        raise CheckpointError(f"checkpoint {path} is unreadable: {type(error).__name__}: {first_line(error)}") from None
     if not isinstance(stored, dict) or not isinstance(stored.get("payload"), dict):
         raise CheckpointError(f"checkpoint {path} is not a p2p_diloco checkpoint")
     if stored.get("format") != CHECKPOINT_FORMAT:
@@ -88,8 +96,3 @@ def _fsync_directory(directory: Path) -> None:
         os.fsync(descriptor)
     finally:
         os.close(descriptor)
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0]}" if text else type(error).__name__

@@ -37,7 +37,7 @@ import torch
 import transformers
 
 from p2p_diloco.config import DataSection
-from p2p_diloco.errors import UserError
+from p2p_diloco.errors import UserError, first_line
 from p2p_diloco.model import looks_local
 
 logger = logging.getLogger(__name__)
@@ -110,7 +110,7 @@ def load_text_data(section: DataSection, tokenizer: transformers.PreTrainedToken
     except DatasetLoadError:
         raise
     except _LOAD_ERRORS as error:
-        raise DatasetLoadError(f"dataset '{section.dataset}' could not be read: {_first_line(error)}") from error
+        raise DatasetLoadError(f"dataset '{section.dataset}' could not be read: {first_line(error)}") from error
     if not eval_batches:
         raise DatasetLoadError(
             f"dataset '{section.dataset}' has no held-out sequence of {section.seq_len} tokens "
@@ -149,14 +149,14 @@ def _open(section: DataSection) -> datasets.IterableDataset:
         except _LOAD_ERRORS as error:
             raise DatasetLoadError(
                 f"dataset '{section.dataset}' could not be loaded from the Hugging Face hub (offline?): "
-                f"{_first_line(error)}"
+                f"{first_line(error)}"
             ) from error
     builder = _builder(section.dataset, files)
     options = {"sample_by": "paragraph"} if builder == "text" else {}
     try:
         return datasets.load_dataset(builder, data_files=files, split="train", streaming=True, **options)
     except _LOAD_ERRORS as error:
-        raise DatasetLoadError(f"dataset '{section.dataset}' could not be read: {_first_line(error)}") from error
+        raise DatasetLoadError(f"dataset '{section.dataset}' could not be read: {first_line(error)}") from error
 
 
 def _local_files(spec: str) -> list[str] | None:
@@ -247,8 +247,3 @@ def _epoch_seed(shard_seed: int, epoch: int) -> int:
     """A 32-bit shuffle seed derived from the peer's shard seed and the epoch."""
     digest = hashlib.blake2b(f"{shard_seed}:{epoch}".encode(), digest_size=4).digest()
     return int.from_bytes(digest, "big")
-
-
-def _first_line(error: BaseException) -> str:
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    return lines[0] if lines else type(error).__name__

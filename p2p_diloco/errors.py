@@ -7,3 +7,9 @@ keeps its traceback.
 
 class UserError(RuntimeError):
     """An error whose message is one line meant for the user."""
+
+
+def first_line(error: BaseException) -> str:
+    """The first non-empty line of an exception's message (its type name when the message is empty)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return lines[0] if lines else type(error).__name__

@@ -32,7 +32,7 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from p2p_diloco.config import ModelSection
-from p2p_diloco.errors import UserError
+from p2p_diloco.errors import UserError, first_line
 
 logger = logging.getLogger(__name__)
 
@@ -198,17 +198,11 @@ def _load(what: str, name: str, loader: Callable[[], _T]) -> _T:
     except _LOAD_ERRORS as error:
         logger.debug("loading %s %r failed", what, name, exc_info=True)
         if local:
-            raise ModelLoadError(f"{what} '{name}' could not be loaded: {_first_line(error)}") from error
+            raise ModelLoadError(f"{what} '{name}' could not be loaded: {first_line(error)}") from error
         raise ModelLoadError(
             f"{what} '{name}' not found: not a local directory and not loadable from the Hugging Face hub "
-            f"(offline?): {_first_line(error)}"
+            f"(offline?): {first_line(error)}"
         ) from error
-
-
-def _first_line(error: BaseException) -> str:
-    """The first non-empty line of an exception message (or its type name)."""
-    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
-    return lines[0] if lines else type(error).__name__
 
 
 def _serializable(model: transformers.PreTrainedModel) -> transformers.PreTrainedModel:

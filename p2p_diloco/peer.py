@@ -44,7 +44,8 @@ def run_peer(config: PeerConfig, stop: threading.Event) -> None:
         dht = start_dht(config.network, record_validators=validators)
         owned.callback(stop_dht, dht)
         peer_id = str(dht.peer_id)
-        logger.info("other peers can join through: %s", " ".join(visible_multiaddrs(dht)))
+        multiaddrs = " ".join(visible_multiaddrs(dht))
+        logger.info("other peers can join through: %s", multiaddrs)
         records = SwarmRecords(dht, run_id, validators)
         swarm_fingerprint = records.claim_model_fingerprint(loaded.fingerprint)
         if swarm_fingerprint != loaded.fingerprint:
@@ -71,7 +72,12 @@ def run_peer(config: PeerConfig, stop: threading.Event) -> None:
         unit = LearningUnit(config, loaded, data, averager, state_server, records, peer_id, metrics)
         source = unit.join()
         metrics.write(
-            "join", peer_id=peer_id, source=source, outer_round=unit.outer_round, fingerprint=loaded.fingerprint
+            "join",
+            peer_id=peer_id,
+            source=source,
+            outer_round=unit.outer_round,
+            fingerprint=loaded.fingerprint,
+            multiaddrs=multiaddrs,
         )
         logger.info("joined run=%s peer_id=%s source=%s outer_round=%d", run_id, peer_id, source, unit.outer_round)
         try:

@@ -26,6 +26,7 @@ DHT_TIMEOUT_S = 10.0
 _SHORT_TEXT = pydantic.constr(strict=True, min_length=1, max_length=128)
 _COUNT = pydantic.conint(strict=True, ge=0)
 _NON_NEGATIVE = pydantic.confloat(strict=True, ge=0.0)
+_FLOAT_FIELDS = ("tokens_per_s", "loss", "last_seen", "useful_compute_s", "allocated_s")
 
 
 class PeerProgress(pydantic.BaseModel):
@@ -43,15 +44,17 @@ class PeerProgress(pydantic.BaseModel):
     last_seen: _NON_NEGATIVE
     group_size: _COUNT
     model_fingerprint: _SHORT_TEXT
+    useful_compute_s: _NON_NEGATIVE = 0.0  # goodput numerator (p2p_diloco/goodput.py); 0.0 from older peers
+    allocated_s: _NON_NEGATIVE = 0.0  # goodput denominator; 0.0 from older peers
 
     class Config:
         extra = pydantic.Extra.forbid
 
-    @pydantic.validator("tokens_per_s", "loss", "last_seen", pre=True)
+    @pydantic.validator(*_FLOAT_FIELDS, pre=True)
     def _int_to_float(cls, value: Any) -> Any:
         return float(value) if type(value) is int else value
 
-    @pydantic.validator("tokens_per_s", "loss", "last_seen")
+    @pydantic.validator(*_FLOAT_FIELDS)
     def _finite(cls, value: float) -> float:
         if not math.isfinite(value):
             raise ValueError("must be finite")

@@ -10,7 +10,7 @@ from p2p_diloco.config import ConfigError, NetworkSection
 from p2p_diloco.dht import start_dht, stop_dht
 from p2p_diloco.records import PeerProgress, SwarmRecords, record_validators
 
-_HEADER = ("peer", "inner step", "outer round", "tokens/s", "loss", "last seen", "group size")
+_HEADER = ("peer", "inner step", "outer round", "tokens/s", "loss", "last seen", "group size", "goodput")
 
 
 def run_status(network: NetworkSection, stale_after_s: float = 60) -> int:
@@ -37,10 +37,10 @@ def run_status(network: NetworkSection, stale_after_s: float = 60) -> int:
 
 
 def format_table(rows: list[PeerProgress], now: float, stale_after_s: float) -> str:
-    """Aligned text table, one line per peer sorted by peer id."""
+    """Aligned text table, one line per peer sorted by peer id, then the swarm's goodput over the non-stale rows
+    (their summed useful compute / summed allocated peer-time)."""
     lines = [_HEADER]
     for row in sorted(rows, key=lambda item: item.peer_id):
-        age = max(0.0, now - row.last_seen)
         lines.append(
             (
                 row.peer_id,
@@ -48,9 +48,26 @@ def format_table(rows: list[PeerProgress], now: float, stale_after_s: float) -> 
                 str(row.outer_round),
                 f"{row.tokens_per_s:.1f}",
                 f"{row.loss:.4f}",
-                f"{age:.0f} s ago" + (" (stale)" if age > stale_after_s else ""),
+                f"{_age_s(row, now):.0f} s ago" + (" (stale)" if _is_stale(row, now, stale_after_s) else ""),
                 str(row.group_size),
+                _percent(row.useful_compute_s, row.allocated_s),
             )
         )
     widths = [max(len(line[column]) for line in lines) for column in range(len(_HEADER))]
-    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip() for line in lines)
+    table = "\n".join("  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip() for line in lines)
+    live = [row for row in rows if not _is_stale(row, now, stale_after_s)]
+    swarm = _percent(sum(row.useful_compute_s for row in live), sum(row.allocated_s for row in live))
+    return f"{table}\nswarm goodput: {swarm} over {len(live)} live peers (useful compute / allocated peer-time)"
+
+
+def _age_s(row: PeerProgress, now: float) -> float:
+    return max(0.0, now - row.last_seen)
+
+
+def _is_stale(row: PeerProgress, now: float, stale_after_s: float) -> bool:
+    return _age_s(row, now) > stale_after_s
+
+
+def _percent(useful_s: float, allocated_s: float) -> str:
+    """``useful_s / allocated_s`` as a percentage with one decimal, or ``n/a`` when nothing is allocated."""
+    return f"{100 * useful_s / allocated_s:.1f}%" if allocated_s > 0 else "n/a"

@@ -8,6 +8,9 @@ the grace window (``grace_fraction`` × H × measured step time, clamped to [min
 all-reduce by ``allreduce_timeout_s``. A failed round leaves φ unchanged, so its progress is carried by
 the next pseudo-gradient. The outer round after a merge is max(rounds of the group members) + 1.
 
+Goodput (see p2p_diloco/goodput.py): the compute seconds of the inner steps a round sends become useful when that
+round merges; a failed or dropped round carries them into the next one, a local reset discards them.
+
 Join rule: if live peers report a later outer round than this unit's local checkpoint (or it has none),
 the unit downloads φ, the outer momentum and the counters from a live peer and trains from φ; otherwise
 it resumes its checkpoint, or starts from the initial weights when the swarm has no state yet.
@@ -40,6 +43,7 @@ from p2p_diloco.diloco import (
     pseudo_gradient,
 )
 from p2p_diloco.errors import UserError
+from p2p_diloco.goodput import LEDGER_FILE, GoodputLedger
 from p2p_diloco.inner import InnerTrainer, StepStats
 from p2p_diloco.metrics import MetricsLog, ProgressBars, Throughput
 from p2p_diloco.model import LoadedModel, export_pretrained
@@ -62,6 +66,7 @@ class _SentRound:
     local_at_send: list[torch.Tensor]
     momentum_proposal: list[torch.Tensor]
     tokens: int
+    compute_s: float
     inner_step: int
 
 
@@ -89,12 +94,15 @@ class LearningUnit:
         self.probe_indices = consensus_probe_indices(self.global_params)
         self.outer_round = self.inner_step = self.tokens = 0
         self.tokens_since_round = self.steps_since_round = 0
+        self.compute_since_round = 0.0
         self.sent: _SentRound | None = None
         self.throughput = Throughput()
         self.last_loss = float("nan")
         self.last_group_size = 0
         self.last_eval: float | None = None
         self.checkpoint_path = Path(config.run.work_dir) / "checkpoint.pt"
+        self.ledger_path = Path(config.run.work_dir) / LEDGER_FILE
+        self.ledger = GoodputLedger.load_or_create(self.ledger_path)
         self.wire = WireCounter()
 
     # ----------------------------------------------------------------------------------------------- join
@@ -183,12 +191,14 @@ class LearningUnit:
             progress.close()
 
     def train_step(self, batches: Iterator[torch.Tensor]) -> StepStats:
-        """One inner step and its bookkeeping (counters, throughput)."""
+        """One inner step and its bookkeeping (counters, compute, throughput)."""
         stats = self.trainer.train_step(batches)
         self.inner_step += 1
         self.steps_since_round += 1
         self.tokens += stats.tokens
         self.tokens_since_round += stats.tokens
+        self.compute_since_round += stats.seconds
+        self.ledger.record_step(stats.seconds, stats.tokens)
         self.last_loss = stats.loss
         self.throughput.add(stats.tokens, stats.seconds)
         return stats
@@ -227,20 +237,40 @@ class LearningUnit:
             self.metrics.write("local_reset", outer_round=self.outer_round, inner_step=self.inner_step)
             self.trainer.load_parameters(self.global_params)
             self.trainer.reset_optimizer()
-            self.tokens_since_round = self.steps_since_round = 0
+            self._reset_round_counters()
             return
         delta = pseudo_gradient(self.global_params, local_at_send)
         params_proposal, momentum_proposal = outer_step(self.global_params, self.momentum, delta, self.hyper)
         proposal = params_proposal + (momentum_proposal if self.config.outer.sync_momentum else [])
+        weight, window_s = max(1, self.tokens_since_round), self._grace_window_s()
         self.averager.begin_round(
             proposal,
-            weight=max(1, self.tokens_since_round),
+            weight=weight,
             outer_round=self.outer_round,
-            window_s=self._grace_window_s(),
+            window_s=window_s,
             probe=consensus_probe(self.global_params, self.probe_indices),
         )
-        self.sent = _SentRound(local_at_send, momentum_proposal, self.tokens_since_round, self.inner_step)
+        self.metrics.write(
+            "outer_round_begin",
+            outer_round=self.outer_round,
+            inner_step=self.inner_step,
+            window_s=window_s,
+            scheduled_at=time.time() + window_s,
+            weight=weight,
+        )
+        self.sent = _SentRound(
+            local_at_send, momentum_proposal, self.tokens_since_round, self.compute_since_round, self.inner_step
+        )
+        self._reset_round_counters()
+
+    def _reset_round_counters(self) -> None:
         self.tokens_since_round = self.steps_since_round = 0
+        self.compute_since_round = 0.0
+
+    def _carry(self, sent: _SentRound) -> None:
+        """A round that did not merge: its steps' tokens and compute go into the next round."""
+        self.tokens_since_round += sent.tokens
+        self.compute_since_round += sent.compute_s
 
     def _end_round(self, outcome: RoundOutcome) -> None:
         sent, self.sent = self.sent, None
@@ -251,7 +281,7 @@ class LearningUnit:
             logger.error("rejected a non-finite average in outer round %d", self.outer_round)
             averaged = None
         if averaged is None:
-            self.tokens_since_round += sent.tokens
+            self._carry(sent)
             self.metrics.write("outer_round_failed", outer_round=self.outer_round, error=outcome.error)
             return
         count = len(self.global_params)
@@ -262,6 +292,8 @@ class LearningUnit:
         )
         self.outer_round = max(self.outer_round, outcome.max_member_round) + 1
         self.last_group_size = outcome.group_size
+        self.ledger.record_merge(sent.compute_s, sent.tokens)
+        self.ledger.save(self.ledger_path)
         self._publish_state()
         self.records.refresh_model_fingerprint(self.loaded.fingerprint)
         self.metrics.write(
@@ -272,6 +304,8 @@ class LearningUnit:
             seconds=outcome.finished_at - outcome.started_at,
             weight=sent.tokens,
             member_drift=outcome.member_drift,
+            useful_compute_s=self.ledger.useful_compute_s,
+            useful_tokens=self.ledger.useful_tokens,
             **self._wire_fields(),
         )
         if self.outer_round % self.config.run.eval_every_rounds == 0:
@@ -301,12 +335,16 @@ class LearningUnit:
                 last_seen=get_dht_time(),
                 group_size=self.last_group_size,
                 model_fingerprint=self.loaded.fingerprint,
+                useful_compute_s=self.ledger.useful_compute_s,
+                allocated_s=self.ledger.allocated_s(time.time()),
             ),
             ttl_s=PROGRESS_TTL_S,
         )
 
     def save(self) -> None:
-        """Atomically write the local checkpoint (θ, φ, momentum, inner optimizer, counters)."""
+        """Atomically write the local checkpoint (θ, φ, momentum, inner optimizer, counters) and the goodput
+        ledger."""
+        self.ledger.save(self.ledger_path)
         save_checkpoint(
             self.checkpoint_path,
             {
@@ -335,7 +373,7 @@ class LearningUnit:
             if outcome is not None:
                 self._end_round(outcome)
             else:
-                self.tokens_since_round += self.sent.tokens
+                self._carry(self.sent)
                 self.sent = None
         self._evaluate("final")
         self.save()
@@ -343,12 +381,18 @@ class LearningUnit:
             with self.trainer.parameters_swapped(self.global_params):
                 export_pretrained(self.loaded.model, self.loaded.tokenizer, Path(self.config.run.save_dir))
             logger.info("exported the consensus model to %s", self.config.run.save_dir)
+        now = time.time()
         self.metrics.write(
             "stop",
             inner_step=self.inner_step,
             outer_round=self.outer_round,
             tokens=self.tokens,
             eval_loss=self.last_eval,
+            compute_s=self.ledger.compute_s,
+            useful_compute_s=self.ledger.useful_compute_s,
+            useful_tokens=self.ledger.useful_tokens,
+            allocated_s=self.ledger.allocated_s(now),
+            goodput=self.ledger.goodput(now),
             **self._wire_fields(),
         )
 

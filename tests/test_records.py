@@ -12,7 +12,7 @@ from swarm_harness import wait_until
 from p2p_diloco.config import NetworkSection
 from p2p_diloco.dht import start_dht, stop_dht, visible_multiaddrs
 from p2p_diloco.records import PeerProgress, SwarmRecords, record_validators
-from p2p_diloco.status import run_status
+from p2p_diloco.status import format_table, run_status
 
 pytestmark = pytest.mark.swarm
 
@@ -130,6 +130,37 @@ def test_progress_model_is_strict():
         PeerProgress(**{**progress("p").dict(), "unknown": 1})
 
 
+def test_goodput_fields_default_to_zero_and_must_be_finite():
+    older = {
+        name: value for name, value in progress("p").dict().items() if name not in ("useful_compute_s", "allocated_s")
+    }
+    parsed = PeerProgress.parse_obj(older)  # a record of a peer from before goodput accounting
+    assert parsed.useful_compute_s == 0.0 and parsed.allocated_s == 0.0
+    converted = progress("p", useful_compute_s=3, allocated_s=4)
+    assert (converted.useful_compute_s, converted.allocated_s) == (3.0, 4.0)
+    assert type(converted.useful_compute_s) is float and type(converted.allocated_s) is float
+    for field in ("useful_compute_s", "allocated_s"):
+        for bad in (float("nan"), float("inf"), -1.0, "1.0", True):
+            with pytest.raises(ValueError):
+                progress("p", **{field: bad})
+
+
+def test_format_table_shows_each_peers_goodput_and_the_swarm_goodput_of_live_peers():
+    now = 1000.0
+    rows = [
+        progress("peer-a", last_seen=now, useful_compute_s=93.1, allocated_s=100.0),
+        progress("peer-b", last_seen=now - 10, useful_compute_s=50.0, allocated_s=100.0),
+        progress("peer-c", last_seen=now, useful_compute_s=0.0, allocated_s=0.0),  # an older peer: nothing reported
+        progress("peer-d", last_seen=now - 120, useful_compute_s=0.0, allocated_s=900.0),  # stale: not counted
+    ]
+    lines = format_table(rows, now, stale_after_s=60).splitlines()
+    assert lines[0].split()[-1] == "goodput"
+    assert [line.split()[-1] for line in lines[1:5]] == ["93.1%", "50.0%", "n/a", "0.0%"]
+    assert lines[5] == "swarm goodput: 71.5% over 3 live peers (useful compute / allocated peer-time)"
+    only_stale = format_table(rows[3:], now, stale_after_s=60).splitlines()[-1]
+    assert only_stale == "swarm goodput: n/a over 0 live peers (useful compute / allocated peer-time)"
+
+
 def test_status_prints_table_of_live_peers(swarm, capsys):
     a, b = swarm
     a.publish_progress(progress("peer-a"), wait=True)
@@ -141,6 +172,7 @@ def test_status_prints_table_of_live_peers(swarm, capsys):
     assert out[0].split()[:3] == ["peer", "inner", "step"]
     assert out[1].startswith("peer-a") and "1500.5" in out[1] and "2.7500" in out[1] and "(stale)" not in out[1]
     assert out[2].startswith("peer-b") and "(stale)" in out[2]
+    assert out[3].startswith("swarm goodput: n/a over 1 live peers")
 
     empty = NetworkSection(run_id="nobody-here", initial_peers=visible_multiaddrs(a.dht))
     assert run_status(empty) == 1

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +28,7 @@ from p2p_diloco.diloco import (
     pseudo_gradient,
     weighted_average,
 )
+from p2p_diloco.goodput import GoodputLedger
 from p2p_diloco.metrics import MetricsLog
 from p2p_diloco.model import load_model
 from p2p_diloco.peer import shard_seed
@@ -109,8 +111,9 @@ def make_peer(tmp_path: Path) -> Iterator[PeerFactory]:
 
 
 # ------------------------------------------------------------------- the steps of LearningUnit.run, one by one
-def inner_step(peer: Peer) -> None:
-    peer.unit.train_step(peer.batches)
+def inner_step(peer: Peer) -> float:
+    """One inner step; returns its compute seconds."""
+    return peer.unit.train_step(peer.batches).seconds
 
 
 def poll(peer: Peer) -> bool:
@@ -121,12 +124,13 @@ def maybe_begin(peer: Peer) -> bool:
     return peer.unit.maybe_begin_round()
 
 
-def train_until_round(peer: Peer) -> None:
-    """Inner steps until the unit begins its next round (it must have none in flight)."""
+def train_until_round(peer: Peer) -> float:
+    """Inner steps until the unit begins its next round (it must have none in flight); returns their compute
+    seconds."""
     assert peer.unit.sent is None
-    for _ in range(peer.unit.config.outer.inner_steps):
-        inner_step(peer)
+    seconds = sum(inner_step(peer) for _ in range(peer.unit.config.outer.inner_steps))
     assert maybe_begin(peer)
+    return seconds
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -151,6 +155,10 @@ def assert_round_changed_nothing(
     assert_all_equal(unit.trainer.local_parameters(), theta)
     assert unit.outer_round == 0 and unit.sent is None
     assert unit.tokens_since_round == 2 * TOKENS_PER_STEP
+
+
+def saved_ledger(peer: Peer) -> GoodputLedger:
+    return GoodputLedger.model_validate_json(peer.unit.ledger_path.read_text())
 
 
 def differs(first: Sequence[torch.Tensor], second: Sequence[torch.Tensor]) -> bool:
@@ -411,14 +419,93 @@ def test_finish_hands_the_last_steps_to_a_final_round_then_checkpoints_and_expor
     assert_all_equal([p.detach() for p in exported.parameters() if p.requires_grad], a.unit.global_params)
     stop = a.events("stop")[-1]
     assert stop["outer_round"] == 2 and math.isfinite(stop["eval_loss"])
+    ledger = a.unit.ledger  # every step was merged: all its compute is useful
+    assert stop["useful_compute_s"] == ledger.useful_compute_s == pytest.approx(ledger.compute_s)
+    assert stop["compute_s"] == ledger.compute_s and stop["useful_tokens"] == 3 * TOKENS_PER_STEP
+    assert stop["allocated_s"] > 0 and stop["goodput"] == pytest.approx(ledger.useful_compute_s / stop["allocated_s"])
+    assert saved_ledger(a) == ledger
 
 
 def test_finish_drops_a_round_that_does_not_end_in_time(make_peer: PeerFactory) -> None:
     group = FakeGroup()
     a, _absent = make_peer("a", group), make_peer("b", group)
-    train_until_round(a)
+    seconds = train_until_round(a)
     a.unit.finish()
     assert a.averager.cancelled == 1 and not a.averager.in_flight and a.unit.sent is None
     assert a.unit.tokens_since_round == 2 * TOKENS_PER_STEP
+    assert a.unit.compute_since_round == pytest.approx(seconds)
+    stop = a.events("stop")[-1]
+    assert stop["useful_compute_s"] == 0.0 and stop["goodput"] == 0.0
+    assert stop["compute_s"] == pytest.approx(seconds) and saved_ledger(a).compute_s == stop["compute_s"]
     checkpoint = load_checkpoint(a.unit.checkpoint_path)
     assert checkpoint is not None and checkpoint["outer_round"] == 0
+
+
+# ----------------------------------------------------------------------------------------------- goodput
+def test_a_merged_round_makes_the_compute_of_its_steps_useful(make_peer: PeerFactory) -> None:
+    a = make_peer("a", FakeGroup())
+    seconds = train_until_round(a)
+    assert a.unit.ledger.useful_compute_s == 0.0 and a.unit.compute_since_round == 0.0
+    overlap = inner_step(a)  # trained while the round was in flight: it belongs to the next round
+    assert poll(a)
+    ledger = a.unit.ledger
+    assert ledger.useful_compute_s == pytest.approx(seconds) and ledger.useful_tokens == 2 * TOKENS_PER_STEP
+    assert ledger.compute_s == pytest.approx(seconds + overlap) and ledger.tokens == 3 * TOKENS_PER_STEP
+    assert a.unit.compute_since_round == pytest.approx(overlap)
+    assert saved_ledger(a) == ledger  # saved once per merged round
+    event = a.events("outer_round")[-1]
+    assert event["useful_compute_s"] == ledger.useful_compute_s and event["useful_tokens"] == 2 * TOKENS_PER_STEP
+    a.unit._publish_progress()
+    published = a.records.progress["a"]
+    assert published.useful_compute_s == ledger.useful_compute_s and published.allocated_s > 0
+
+
+def test_a_failed_round_carries_its_compute_into_the_next_merge(make_peer: PeerFactory) -> None:
+    group = FakeGroup(fail=True)
+    a = make_peer("a", group)
+    first = train_until_round(a)
+    assert poll(a)
+    assert a.unit.ledger.useful_compute_s == 0.0 and a.unit.compute_since_round == pytest.approx(first)
+    group.fail = False
+    second = train_until_round(a)
+    assert poll(a)
+    assert a.unit.ledger.useful_compute_s == pytest.approx(first + second)
+    assert a.unit.ledger.useful_tokens == 4 * TOKENS_PER_STEP
+    assert a.events("outer_round")[-1]["useful_compute_s"] == pytest.approx(first + second)
+
+
+def test_a_local_reset_discards_the_compute_of_its_steps(make_peer: PeerFactory) -> None:
+    a = make_peer("a", FakeGroup(), outer__inner_steps=1)
+    discarded = inner_step(a)
+    poisoned = a.unit.trainer.local_parameters()
+    poisoned[0].view(-1)[0] = float("nan")
+    a.unit.trainer.load_parameters(poisoned)
+    assert maybe_begin(a) and a.events("local_reset") and a.unit.sent is None
+    assert a.unit.compute_since_round == 0.0
+    kept = train_until_round(a)
+    assert poll(a)
+    assert a.unit.ledger.useful_compute_s == pytest.approx(kept)
+    assert a.unit.ledger.compute_s == pytest.approx(discarded + kept)
+
+
+def test_the_ledger_survives_a_restart_on_the_same_work_dir(make_peer: PeerFactory) -> None:
+    first = make_peer("a", FakeGroup())
+    train_until_round(first)
+    assert poll(first)
+    merged = first.unit.ledger
+    again = make_peer("a", FakeGroup())  # as after a SIGKILL: nothing saved on exit
+    assert again.unit.ledger.starts == 2 and merged.starts == 1
+    assert again.unit.ledger.allocated_since == merged.allocated_since
+    assert again.unit.ledger.useful_compute_s == merged.useful_compute_s > 0
+
+
+def test_outer_round_begin_announces_when_the_all_reduce_starts(make_peer: PeerFactory) -> None:
+    a = make_peer("a", FakeGroup())
+    before = time.time()
+    train_until_round(a)
+    (begin,) = a.events("outer_round_begin")
+    begun = a.averager.begun[-1]
+    assert begin["window_s"] == begun.window_s > 0
+    assert begin["scheduled_at"] == pytest.approx(begin["time"] + begin["window_s"], abs=0.1)
+    assert begin["scheduled_at"] >= before + begin["window_s"]
+    assert (begin["outer_round"], begin["inner_step"], begin["weight"]) == (0, 2, 2 * TOKENS_PER_STEP)
