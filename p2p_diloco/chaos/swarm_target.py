@@ -1,0 +1,300 @@
+"""Our decoupled swarm as a chaos target: a bootstrap node and M ``p2p-diloco join`` units as real processes.
+
+No coordinator: a crashed unit is simply absent until its machine is back (:meth:`recover`), when it is started again
+on the same work dir and rejoins through the bootstrap node *and* every live unit's address, so it joins even while
+the bootstrap node is down. A unit that exits with an error by itself (e.g. it could not join while partitioned) is
+restarted after ``restart_delay_s``, as the shipped systemd unit does (``Restart=on-failure``).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from p2p_diloco.chaos.faults import freeze_tree, kill_tree, thaw
+from p2p_diloco.chaos.network import ChaosNetwork
+from p2p_diloco.chaos.results import EvalPoint, MethodResult, UnitResult
+from p2p_diloco.demo import bootstrap_command, peer_command, spawn, start_bootstrap, stop_process_groups
+from p2p_diloco.goodput import LEDGER_FILE, GoodputLedger
+from p2p_diloco.metrics import MetricsLog
+
+logger = logging.getLogger(__name__)
+
+BOOTSTRAP_PORT = 45_123
+
+
+@dataclass(frozen=True)
+class TrainingSetup:
+    """What every method of a comparison trains, identically: model, data, batch, optimizers, eval cadence."""
+
+    model_config: Path
+    dataset: Path
+    seq_len: int = 64
+    batch_size: int = 8
+    inner_lr: float = 3e-3
+    inner_steps: int = 20
+    eval_every_steps: int = 100
+    eval_batches: int = 8
+    seed: int = 0
+
+    def join_flags(self) -> list[str]:
+        return [
+            "--model-config", str(self.model_config),
+            "--dataset", str(self.dataset),
+            "--seq-len", str(self.seq_len),
+            "--batch-size", str(self.batch_size),
+            "--inner-lr", str(self.inner_lr),
+            "--inner-steps", str(self.inner_steps),
+            "--eval-every-rounds", str(max(1, self.eval_every_steps // self.inner_steps)),
+            "--eval-batches", str(self.eval_batches),
+            "--seed", str(self.seed),
+        ]  # fmt: skip
+
+
+def read_events(path: Path) -> list[dict]:
+    """The JSON lines of ``path`` (a line cut short by a SIGKILL is skipped); empty if the file is missing."""
+    if not path.exists():
+        return []
+    events = []
+    for line in path.read_text().splitlines():
+        try:
+            events.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return events
+
+
+class SwarmTarget:
+    """See the module docstring. ``extra_flags`` go to every unit's ``p2p-diloco join`` (e.g. --quorum)."""
+
+    def __init__(
+        self,
+        name: str,
+        units: int,
+        run_dir: Path,
+        network: ChaosNetwork,
+        setup: TrainingSetup,
+        budget_s: float,
+        extra_flags: tuple[str, ...] = (),
+        log: MetricsLog | None = None,
+        restart_delay_s: float = 5.0,
+    ):
+        self.name, self.units, self.run_dir, self.network = name, units, Path(run_dir), network
+        self.setup, self.budget_s, self.extra_flags, self.log = setup, budget_s, extra_flags, log
+        self.processes: dict[int, subprocess.Popen] = {}
+        self.frozen: dict[int, list[int]] = {}
+        self.bootstrap: subprocess.Popen | None = None
+        self.bootstrap_maddr = ""
+        self.started_at = 0.0
+        self.restart_delay_s = restart_delay_s
+        self.crashed: set[int] = set()
+        self.restart_at: dict[int, float] = {}
+
+    # ---------------------------------------------------------------------------------------------- nodes
+    def _unit_dir(self, unit: int) -> Path:
+        return self.run_dir / f"unit{unit}"
+
+    def _bootstrap_dir(self) -> Path:
+        return self.run_dir / "bootstrap"
+
+    def _live_maddrs(self) -> list[str]:
+        """Addresses of the units running now, from their latest ``join`` event."""
+        maddrs = []
+        for unit, process in self.processes.items():
+            if process.poll() is None and unit not in self.frozen:
+                joins = [
+                    event for event in read_events(self._unit_dir(unit) / "metrics.jsonl") if event["event"] == "join"
+                ]
+                if joins and joins[-1].get("multiaddrs"):
+                    maddrs += joins[-1]["multiaddrs"].split()
+        return maddrs
+
+    def _start_unit(self, unit: int) -> list[int]:
+        work_dir = self._unit_dir(unit)
+        work_dir.mkdir(parents=True, exist_ok=True)
+        host = self.network.host(f"unit{unit}")
+        initial_peers = [self.bootstrap_maddr, *self._live_maddrs()]
+        command = peer_command(initial_peers[0], work_dir, duration_s=self.budget_s * 10, run_id=self.name)
+        command += [
+            "--initial-peers", *initial_peers,
+            "--host-maddrs", f"/ip4/{host}/tcp/0",
+            *self.setup.join_flags(),
+            *self.extra_flags,
+        ]  # fmt: skip
+        process = spawn(self.network.wrap(f"unit{unit}", command), work_dir / "stdout.log")
+        self.processes[unit] = process
+        return [process.pid]
+
+    # ------------------------------------------------------------------------------------ ChaosTarget
+    def start(self) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.bootstrap, self.bootstrap_maddr = start_bootstrap(
+            self._bootstrap_dir(),
+            host=self.network.host("bootstrap"),
+            port=BOOTSTRAP_PORT,
+            wrap=lambda command: self.network.wrap("bootstrap", command),
+        )
+        for unit in range(self.units):
+            self._start_unit(unit)
+        self.started_at = time.time()
+
+    def crash(self, unit: int) -> list[int]:
+        self.frozen.pop(unit, None)
+        self.crashed.add(unit)
+        self.restart_at.pop(unit, None)
+        process = self.processes.get(unit)
+        return kill_tree(process.pid) if process is not None and process.poll() is None else []
+
+    def recover(self, unit: int) -> list[int]:
+        self.crashed.discard(unit)
+        return self._start_unit(unit)
+
+    def freeze(self, unit: int) -> list[int]:
+        process = self.processes.get(unit)
+        if process is None or process.poll() is not None:
+            return []
+        self.frozen[unit] = freeze_tree(process.pid)
+        return self.frozen[unit]
+
+    def thaw(self, unit: int) -> list[int]:
+        return thaw(self.frozen.pop(unit, []))
+
+    def partition(self, unit: int) -> None:
+        self.network.cut(f"unit{unit}")
+
+    def heal(self, unit: int) -> None:
+        self.network.restore(f"unit{unit}")
+
+    def crash_bootstrap(self) -> list[int]:
+        return kill_tree(self.bootstrap.pid) if self.bootstrap is not None and self.bootstrap.poll() is None else []
+
+    def recover_bootstrap(self) -> list[int]:
+        """Restart it on the same port and identity (same multiaddr) without waiting for it to be ready."""
+        command = bootstrap_command(self._bootstrap_dir(), host=self.network.host("bootstrap"), port=BOOTSTRAP_PORT)
+        self.bootstrap = spawn(self.network.wrap("bootstrap", command), self._bootstrap_dir() / "bootstrap.log")
+        return [self.bootstrap.pid]
+
+    def tick(self) -> None:
+        now = time.monotonic()
+        for unit, process in self.processes.items():
+            code = process.poll()
+            if code in (None, 0) or unit in self.crashed or unit in self.restart_at:
+                continue
+            self.restart_at[unit] = now + self.restart_delay_s
+            logger.warning("unit exited by itself method=%s unit=%d code=%s", self.name, unit, code)
+            if self.log is not None:
+                self.log.write("unit_exit", method=self.name, unit=unit, exit_code=code)
+        for unit, when in list(self.restart_at.items()):
+            if now >= when:
+                del self.restart_at[unit]
+                pids = self._start_unit(unit)
+                if self.log is not None:
+                    self.log.write("unit_restart", method=self.name, unit=unit, pids=" ".join(map(str, pids)))
+
+    def finish(self) -> None:
+        for unit in list(self.frozen):
+            self.thaw(unit)
+        stop_process_groups(list(self.processes.values()), grace_s=120.0)
+        if self.bootstrap is not None:
+            stop_process_groups([self.bootstrap])
+
+    def result(self) -> MethodResult:
+        result = swarm_result(self.name, self.run_dir, self.units, self.budget_s, self.started_at)
+        if self.log is not None:
+            faults = [event for event in read_events(self.log.path) if event.get("method") == self.name]
+            result.notes += recovery_notes(self.run_dir, faults)
+        return result
+
+
+def recovery_notes(run_dir: Path, faults: list[dict]) -> list[str]:
+    """One line per recovered crash: seconds from the restart to the unit's join, and from the start of its state
+    download to the end of its join eval (after which it trains); and one line per unit with the longest gap between
+    two of its ``inner_step`` events outside its own faults (how long the others ever paused)."""
+    notes = []
+    events = {unit: read_events(run_dir / f"unit{unit}" / "metrics.jsonl") for unit in _units_in(run_dir)}
+    for fault in faults:
+        if fault["event"] != "fault" or fault["kind"] != "crash" or fault["phase"] != "end":
+            continue
+        after = [event for event in events.get(fault["unit"], []) if event["time"] >= fault["time"]]
+        join = next((event for event in after if event["event"] == "join"), None)
+        download = next((event for event in after if event["event"] == "state_download"), None)
+        join_eval = next((event for event in after if event["event"] == "eval" and event["reason"] == "join"), None)
+        if join is None or download is None or join_eval is None:
+            notes.append(f"unit{fault['unit']} restarted at {fault['actual_s']:.0f} s: no join with a download")
+            continue
+        download_started = download["time"] - download["seconds"]
+        joined_after = join["time"] - fault["time"]
+        notes.append(
+            f"unit{fault['unit']} restarted at {fault['actual_s']:.0f} s: joined after {joined_after:.1f} s"
+            f" (process start included); state download {download['seconds']:.2f} s; download start to training"
+            f" {join_eval['time'] - download_started:.2f} s"
+        )
+    for unit, unit_events in events.items():
+        own = _own_fault_windows(faults, unit)
+        steps = [event["time"] for event in unit_events if event["event"] == "inner_step"]
+        gaps = [
+            later - earlier
+            for earlier, later in zip(steps, steps[1:])
+            if not any(start - 1 <= later and earlier <= end + 1 for start, end in own)
+        ]
+        if gaps:
+            notes.append(f"unit{unit}: longest gap between 10-step marks outside its own faults {max(gaps):.1f} s")
+    return notes
+
+
+def _units_in(run_dir: Path) -> list[int]:
+    return sorted(int(path.name.removeprefix("unit")) for path in run_dir.glob("unit*") if path.is_dir())
+
+
+def _own_fault_windows(faults: list[dict], unit: int) -> list[tuple[float, float]]:
+    """(begin, end) unix times of the unit's own crashes and freezes; an unfinished one ends at infinity."""
+    windows, begun = [], {}
+    for fault in faults:
+        if fault["event"] == "fault" and fault["unit"] == unit and fault["kind"] in ("crash", "straggler"):
+            if fault["phase"] == "begin":
+                begun[fault["kind"]] = fault["time"]
+            elif fault["kind"] in begun:
+                windows.append((begun.pop(fault["kind"]), fault["time"]))
+    return windows + [(start, float("inf")) for start in begun.values()]
+
+
+def swarm_result(name: str, run_dir: Path, units: int, budget_s: float, started_at: float) -> MethodResult:
+    """Read every unit's metrics.jsonl and goodput ledger (all restarts of a unit share its work dir).
+
+    Useful compute and tokens are the ledger's (steps merged by a successful round). The eval curve takes every
+    eval of the global parameters, paired with the swarm's merged tokens at that time (the sum over units of their
+    latest cumulative ``useful_tokens``). The final loss is the median of the final evals written when the budget
+    ended (a unit down at that time has none).
+    """
+    per_unit = [read_events(run_dir / f"unit{unit}" / "metrics.jsonl") for unit in range(units)]
+    results, merged, evals, finals = [], [], [], []
+    for unit, events in enumerate(per_unit):
+        ledger_path = run_dir / f"unit{unit}" / LEDGER_FILE
+        ledger = GoodputLedger.model_validate_json(ledger_path.read_bytes()) if ledger_path.exists() else None
+        if ledger is None:
+            results.append(UnitResult(unit, 0.0, 0.0, 0, 0))
+            continue
+        results.append(UnitResult(unit, ledger.compute_s, ledger.useful_compute_s, ledger.tokens, ledger.useful_tokens))
+        merged += [(event["time"], unit, event["useful_tokens"]) for event in events if event["event"] == "outer_round"]
+        evals += [event for event in events if event["event"] == "eval"]
+        finals += [
+            event["eval_loss"]
+            for event in events
+            if event["event"] == "eval" and event["reason"] == "final" and event["time"] >= started_at + budget_s
+        ]
+    merged.sort()
+    points = []
+    for event in sorted(evals, key=lambda item: item["time"]):
+        latest: dict[int, int] = {}
+        for when, unit, tokens in merged:
+            if when > event["time"]:
+                break
+            latest[unit] = tokens
+        points.append(EvalPoint(event["time"] - started_at, sum(latest.values()), event["eval_loss"]))
+    final = statistics.median(finals) if finals else None
+    return MethodResult(name, budget_s, results, points, final)
