@@ -14,8 +14,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from p2p_diloco.chaos import faults
 from p2p_diloco.demo import peer_command, spawn, start_bootstrap, stop_process_groups
-from p2p_diloco.lifecycle import descendant_pids
+from p2p_diloco.lifecycle import descendant_pids, is_running
 
 # Small and quick on 2 cores: ~1 M parameter GPT-2, 4 x 64 tokens per step, a round every 10 steps.
 TEST_PEER_FLAGS = ["--seq-len", "64", "--batch-size", "4", "--inner-steps", "10", "--join-timeout-s", "30"]
@@ -26,6 +27,8 @@ class Swarm:
         self.root, self.run_id = root, run_id
         self.processes: dict[str, subprocess.Popen] = {}
         self.killed: set[str] = set()
+        self.frozen: dict[str, list[int]] = {}
+        self.faulted_pids: set[int] = set()  # every pid a fault was applied to, checked gone after close()
         self.bootstrap_maddr: str | None = None
 
     def bootstrap(self, name: str, initial_peers: tuple[str, ...] = ()) -> str:
@@ -93,7 +96,64 @@ class Swarm:
         process.wait()
         return children
 
+    def kill_tree(self, name: str) -> list[int]:
+        """SIGKILL the main process of ``name`` and all its descendants at once (a machine that loses power);
+        returns the pids killed."""
+        process = self.processes[name]
+        self.killed.add(name)
+        pids = faults.kill_tree(process.pid)
+        self.faulted_pids.update(pids)
+        process.wait()
+        return pids
+
+    def kill_group(self, name: str) -> list[int]:
+        """SIGKILL the process group of ``name``'s main process (what a supervisor's ``kill -9 -PGID`` does); returns
+        the pids of its whole tree at that moment: the children outside that group must then exit by themselves."""
+        process = self.processes[name]
+        pids = faults.process_tree(process.pid)
+        self.killed.add(name)
+        self.faulted_pids.update(pids)
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+        return pids
+
+    def freeze(self, name: str) -> list[int]:
+        """SIGSTOP the whole process tree of ``name`` (a machine that stops responding); returns the frozen pids."""
+        pids = faults.freeze_tree(self.processes[name].pid)
+        self.frozen[name] = pids
+        self.faulted_pids.update(pids)
+        return pids
+
+    def thaw(self, name: str) -> list[int]:
+        """SIGCONT the processes frozen by :meth:`freeze`; returns those still alive."""
+        return faults.thaw(self.frozen.pop(name))
+
+    def join_address(self, name: str, timeout_s: float = 30.0) -> str:
+        """A multiaddr on 127.0.0.1 through which a new unit can join the swarm via unit ``name``: from its ``join``
+        event, else from the "other peers can join through:" line of its stdout.log."""
+
+        def find() -> str | None:
+            texts = [str(event.get("multiaddrs", "")) for event in self.events(name, "join")]
+            log = self.root / name / "stdout.log"
+            if log.exists():
+                texts += [line for line in log.read_text().splitlines() if "other peers can join through:" in line]
+            words = [word for text in reversed(texts) for word in text.split()]
+            return next((w for w in words if w.startswith("/ip4/127.0.0.1/") and "/p2p/" in w), None)
+
+        return str(self.wait_for(find, timeout_s, f"the multiaddr of {name}"))
+
+    def live_pids(self) -> set[int]:
+        """Every live process of the swarm: each started process and its descendants (watchdog, DHT, averagers,
+        p2pd), plus the pids faults were applied to that still run."""
+        pids = {pid for pid in self.faulted_pids if is_running(pid)}
+        for process in self.processes.values():
+            if process.poll() is None:
+                pids.update(faults.process_tree(process.pid))
+        return pids
+
     def close(self) -> None:
+        for name in list(self.frozen):  # a stopped process keeps a SIGTERM pending until it is continued
+            self.thaw(name)
         stop_process_groups(list(self.processes.values()), grace_s=15.0)
 
 

@@ -46,35 +46,19 @@ def test_demo_trains_three_peers_in_groups(tmp_path: Path) -> None:
         assert (run_dir / f"peer{index}" / "model" / "model.safetensors").exists()
 
 
-def test_sigkilled_peer_does_not_stop_the_others(swarm: Swarm) -> None:
+def test_sigkilled_unit_leaves_no_process_behind(swarm: Swarm) -> None:
+    """SIGKILL of a unit's main process only: its watchdog, DHT, both averagers and their p2pd exit by themselves.
+    (What the other units do meanwhile is tested in test_chaos_swarm.py.)"""
     maddr = swarm.bootstrap("bootstrap")
-    for name in ("a", "b", "victim"):
-        swarm.peer(name, maddr)
-    swarm.wait_for(
-        lambda: all(any(r["group_size"] >= 2 for r in swarm.rounds(n)) for n in ("a", "b", "victim")),
-        timeout_s=150,
-        what="every peer to average in a group",
-    )
-    killed_at = time.time()
+    swarm.peer("victim", maddr)
+    swarm.wait_for(lambda: swarm.events("victim", "join"), timeout_s=90, what="the unit to join")
     children = swarm.kill_main_process("victim")
     assert len(children) >= 5, children  # watchdog, DHT, 2 averagers, their p2pd
     swarm.wait_for(
         lambda: not any(is_running(pid) for pid in children),
         timeout_s=15,
-        what="the killed peer's DHT, averagers and p2pd to exit",
+        what="the killed unit's DHT, averagers and p2pd to exit",
     )
-    swarm.wait_for(
-        lambda: all(len(swarm.rounds(n, after=killed_at)) >= 3 for n in ("a", "b")),
-        timeout_s=120,
-        what="the survivors to complete three more outer rounds",
-    )
-    for name in ("a", "b"):
-        late = swarm.rounds(name, after=killed_at)[-1]
-        assert late["group_size"] == 2, late
-        assert swarm.processes[name].poll() is None
-    restarted_at = time.time()
-    swarm.peer("victim", swarm.bootstrap_maddr)  # same work dir: a restart after a crash
-    assert_joined_from_swarm(swarm, "victim", donors=("a", "b"), after=restarted_at)
 
 
 def assert_joined_from_swarm(swarm: Swarm, name: str, donors: tuple[str, ...], after: float = 0.0) -> None:
