@@ -94,6 +94,11 @@ def is_held_out(text: str, eval_fraction: float) -> bool:
     return int.from_bytes(digest, "big") < eval_fraction * 2**64
 
 
+def shard_seed(seed: int, identity: str) -> int:
+    """Seed of a unit's data order: distinct per identity (e.g. a peer id), reproducible for one identity and seed."""
+    return int.from_bytes(hashlib.sha256(f"{seed}:{identity}".encode()).digest()[:8], "little")
+
+
 def load_text_data(section: DataSection, tokenizer: transformers.PreTrainedTokenizerBase, shard_seed: int) -> TextData:
     """Open the dataset, build the evaluation batches and check that training documents exist.
 

@@ -5,19 +5,21 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from p2p_diloco.config import InnerSection
+from p2p_diloco.diloco import all_finite
 
 
 @dataclass(frozen=True)
 class StepStats:
     loss: float
     tokens: int
-    seconds: float
+    seconds: float  # the whole step, gradient synchronization included
+    sync_seconds: float = 0.0  # time spent in the ``synchronize_gradients`` hook
 
 
 def lr_factor(step: int, warmup_steps: int, decay_steps: int, floor: float = 0.1) -> float:
@@ -41,10 +43,21 @@ class InnerTrainer:
             self.optimizer, lambda step: lr_factor(step, section.warmup_steps, section.decay_steps)
         )
 
-    def train_step(self, batches: Iterator[torch.Tensor]) -> StepStats:
+    def train_step(
+        self,
+        batches: Iterator[torch.Tensor],
+        synchronize_gradients: Callable[[list[torch.Tensor]], None] | None = None,
+    ) -> StepStats:
         """One optimizer step over ``grad_accum`` micro-batches of token ids (labels = inputs).
 
         A non-finite loss skips the update (gradients dropped) and is reported as the loss.
+
+        ``synchronize_gradients``, if given, is called once per step after backward and before clipping with the
+        gradient of every parameter of ``self.params`` (zeros where backward produced none), which it may overwrite
+        in place, e.g. with their mean over data-parallel ranks; its time is reported as ``sync_seconds``. It is
+        called whatever the loss (a collective in it then runs on every rank at every step), and the update is
+        skipped when the *synchronized* gradients are non-finite, so ranks holding the same gradients decide alike.
+        Exceptions it raises propagate (the step is not taken).
         """
         started = time.perf_counter()
         self.model.train()
@@ -56,12 +69,24 @@ class InnerTrainer:
             (loss / self.section.grad_accum).backward()
             total_loss += float(loss.detach()) / self.section.grad_accum
             tokens += input_ids.numel()
-        if math.isfinite(total_loss):
+        sync_seconds = 0.0
+        if synchronize_gradients is None:
+            update = math.isfinite(total_loss)
+        else:
+            for param in self.params:
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+            gradients = [param.grad for param in self.params]
+            sync_started = time.perf_counter()
+            synchronize_gradients(gradients)
+            sync_seconds = time.perf_counter() - sync_started
+            update = all_finite(gradients)
+        if update:
             torch.nn.utils.clip_grad_norm_(self.params, self.section.grad_clip)
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
-        return StepStats(total_loss, tokens, time.perf_counter() - started)
+        return StepStats(total_loss, tokens, time.perf_counter() - started, sync_seconds)
 
     @torch.no_grad()
     def evaluate(self, batches: Sequence[torch.Tensor]) -> float:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import threading
 from pathlib import Path
@@ -12,7 +11,7 @@ import torch
 
 from p2p_diloco.averaging import OuterAverager
 from p2p_diloco.config import PeerConfig
-from p2p_diloco.data import load_text_data
+from p2p_diloco.data import load_text_data, shard_seed
 from p2p_diloco.dht import start_dht, stop_dht, visible_multiaddrs
 from p2p_diloco.lifecycle import install_stop_signals
 from p2p_diloco.metrics import MetricsLog
@@ -22,11 +21,6 @@ from p2p_diloco.state_sync import StateServer
 from p2p_diloco.unit import JoinError, LearningUnit
 
 logger = logging.getLogger(__name__)
-
-
-def shard_seed(seed: int, peer_id: str) -> int:
-    """Seed of this unit's data order: distinct per peer id, reproducible for a given identity and seed."""
-    return int.from_bytes(hashlib.sha256(f"{seed}:{peer_id}".encode()).digest()[:8], "little")
 
 
 def run_peer(config: PeerConfig, stop: threading.Event) -> None:

@@ -19,7 +19,7 @@ from transformers import AutoModelForCausalLM
 
 from p2p_diloco.checkpoint import load_checkpoint, save_checkpoint
 from p2p_diloco.config import PeerConfig, load_config
-from p2p_diloco.data import load_text_data
+from p2p_diloco.data import load_text_data, shard_seed
 from p2p_diloco.diloco import (
     consensus_probe,
     merge_local_progress,
@@ -31,7 +31,6 @@ from p2p_diloco.diloco import (
 from p2p_diloco.goodput import GoodputLedger
 from p2p_diloco.metrics import MetricsLog
 from p2p_diloco.model import load_model
-from p2p_diloco.peer import shard_seed
 from p2p_diloco.records import PeerProgress
 from p2p_diloco.state_sync import SwarmState
 from p2p_diloco.unit import JoinError, LearningUnit

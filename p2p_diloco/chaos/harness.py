@@ -1,7 +1,8 @@
 """Apply a fault schedule to one method under test, on the wall clock, and log what was actually executed.
 
 Each fault has a begin action (crash, freeze, cut, bootstrap crash) at ``at_s`` and an end action (recover, thaw,
-restore, bootstrap recover) at ``at_s + duration_s``; end actions falling after the budget are not run. Every
+restore, bootstrap recover) at ``at_s + duration_s``. End actions falling after the budget are not run, except that
+frozen units are thawed and cut links restored when the budget is over (before the target finishes). Every
 action is written to the run's ``schedule.jsonl`` as it happens: planned and actual offsets, the unit, the pids
 it touched.
 """
@@ -57,30 +58,41 @@ def run_schedule(target: ChaosTarget, schedule: list[Fault], budget_s: float, lo
     started = time.monotonic()
     log.write("method_start", method=target.name, budget_s=budget_s)
     pending = _actions(schedule, budget_s)
+    begun: list[Fault] = []
     try:
         while (elapsed := time.monotonic() - started) < budget_s:
             while pending and pending[0].at_s <= elapsed:
                 action = pending.pop(0)
-                pids = _apply(target, action)
-                actual = time.monotonic() - started
-                log.write(
-                    "fault",
-                    method=target.name,
-                    kind=action.fault.kind,
-                    phase=action.phase,
-                    unit=action.fault.unit,
-                    planned_s=round(action.at_s, 3),
-                    actual_s=round(actual, 3),
-                    pids=" ".join(map(str, pids)) if pids is not None else None,
-                )
-                logger.info(
-                    "fault method=%s kind=%s phase=%s unit=%s at=%.1fs pids=%s",
-                    target.name, action.fault.kind, action.phase, action.fault.unit, actual, pids,
-                )  # fmt: skip
+                _log(log, target, action, _apply(target, action), time.monotonic() - started)
+                if action.phase == "begin":
+                    begun.append(action.fault)
+                else:
+                    begun.remove(action.fault)
             target.tick()
             time.sleep(min(TICK_S, max(0.0, budget_s - elapsed)))
     finally:
         log.write("method_budget_over", method=target.name, elapsed_s=round(time.monotonic() - started, 3))
+        for fault in begun:
+            if fault.kind in ("straggler", "partition"):
+                action = _Action(fault.end_s, "end", fault)
+                _log(log, target, action, _apply(target, action), time.monotonic() - started)
         target.finish()
     log.write("method_finished", method=target.name, elapsed_s=round(time.monotonic() - started, 3))
     return target.result()
+
+
+def _log(log: MetricsLog, target: ChaosTarget, action: _Action, pids: list[int] | None, actual: float) -> None:
+    log.write(
+        "fault",
+        method=target.name,
+        kind=action.fault.kind,
+        phase=action.phase,
+        unit=action.fault.unit,
+        planned_s=round(action.at_s, 3),
+        actual_s=round(actual, 3),
+        pids=" ".join(map(str, pids)) if pids is not None else None,
+    )
+    logger.info(
+        "fault method=%s kind=%s phase=%s unit=%s at=%.1fs pids=%s",
+        target.name, action.fault.kind, action.phase, action.fault.unit, actual, pids,
+    )  # fmt: skip
