@@ -38,6 +38,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--bootstrap-down-s", type=float, default=60.0, help="the bootstrap node is back after this")
     parser.add_argument("--namespaces", action="store_true", help="one network namespace per node (root)")
     parser.add_argument("--inner-steps", type=int, default=20, help="H (default 20)")
+    parser.add_argument(
+        "--report-only", action="store_true", help="rebuild the report from the logs of an earlier run in --out"
+    )
     parser.add_argument("--eval-every-steps", type=int, default=100, help="eval cadence in inner steps (default 100)")
     return parser
 
@@ -71,7 +74,8 @@ def main() -> int:
         start_after_s=args.start_after_s,
         use_namespaces=args.namespaces,
     )
-    return run_chaos_benchmark(config, [Path(sys.executable).name, *sys.argv])
+    command = [Path(sys.executable).name, *(arg for arg in sys.argv if arg != "--report-only")]
+    return run_chaos_benchmark(config, command, report_only=args.report_only)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,8 @@ from p2p_diloco.chaos.harness import run_schedule
 from p2p_diloco.chaos.report import equal_tokens, loss_at_tokens, write_report
 from p2p_diloco.chaos.results import EvalPoint, MethodResult, UnitResult
 from p2p_diloco.chaos.schedule import Fault, FaultRates, fraction_with_any_unit_down, poisson_schedule
+from p2p_diloco.chaos.swarm_target import time_breakdown
+from p2p_diloco.goodput import LEDGER_FILE, GoodputLedger
 from p2p_diloco.metrics import MetricsLog
 
 RATES = FaultRates(crash_mtbf_s=60, recovery_s=10, straggler_mtbf_s=120, straggler_s=5, bootstrap_crash_at_s=50)
@@ -155,3 +157,25 @@ def test_report_interpolates_at_equal_tokens_and_writes_all_outputs(tmp_path: Pa
     data = json.loads((tmp_path / "results.json").read_text())
     assert data["equal_tokens"] == 2000 and data["methods"][1]["eval_loss_at_equal_tokens"] == pytest.approx(5.5)
     assert (tmp_path / "results.png").stat().st_size > 10_000
+
+
+def test_time_breakdown_accounts_for_every_allocated_second(tmp_path: Path) -> None:
+    """One unit, 100 s budget from t=1000: joined at 1005, crashed 1020-1030, rejoined at 1034, frozen 1050-1055."""
+    unit_dir = tmp_path / "unit0"
+    unit_dir.mkdir()
+    GoodputLedger(allocated_since=1000, compute_s=70.0, useful_compute_s=66.0).save(unit_dir / LEDGER_FILE)
+    (unit_dir / "metrics.jsonl").write_text("\n".join(json.dumps({"time": t, "event": "join"}) for t in (1005, 1034)))
+    faults = [
+        {"event": "fault", "unit": 0, "kind": kind, "phase": phase, "time": time}
+        for kind, phase, time in [
+            ("crash", "begin", 1020),
+            ("crash", "end", 1030),
+            ("straggler", "begin", 1050),
+            ("straggler", "end", 1055),
+        ]
+    ]
+    line = time_breakdown(tmp_path, faults, units=1, budget_s=100, started_at=1000)
+    assert line == (
+        "allocated peer-time 100 s: useful 66.0%, start-up 5.0%, crashed 10.0%, rejoin 4.0%, frozen 5.0%, "
+        "lost steps 4.0%, rest 6.0%"
+    )

@@ -30,7 +30,7 @@ from p2p_diloco.chaos.network import ChaosNetwork, Loopback
 from p2p_diloco.chaos.report import equal_tokens, loss_at_tokens, write_report
 from p2p_diloco.chaos.results import MethodResult
 from p2p_diloco.chaos.schedule import Fault, FaultRates, fraction_with_any_unit_down, poisson_schedule
-from p2p_diloco.chaos.swarm_target import SwarmTarget, TrainingSetup
+from p2p_diloco.chaos.swarm_target import SwarmTarget, TrainingSetup, read_events
 from p2p_diloco.chaos.target import ChaosTarget
 from p2p_diloco.metrics import MetricsLog
 
@@ -83,6 +83,16 @@ def _target(method: str, config: ChaosConfig, network: ChaosNetwork, log: Metric
     )  # fmt: skip
 
 
+def _rebuilt_result(method: str, config: ChaosConfig, log: MetricsLog) -> MethodResult:
+    """``method``'s result from the logs of a finished run (its start time is read from the schedule log)."""
+    starts = [e["time"] for e in read_events(log.path) if e["event"] == "method_start" and e["method"] == method]
+    if not starts:
+        raise ValueError(f"{log.path} has no run of method {method!r}")
+    target = _target(method, config, Loopback(), log)
+    target.started_at = starts[-1]
+    return target.result()
+
+
 def _environment() -> dict[str, Any]:
     return {
         "python": platform.python_version(),
@@ -93,22 +103,26 @@ def _environment() -> dict[str, Any]:
     }
 
 
-def run_chaos_benchmark(config: ChaosConfig, command: list[str]) -> int:
+def run_chaos_benchmark(config: ChaosConfig, command: list[str], report_only: bool = False) -> int:
     """Run every method of ``config`` in turn and write the report; returns 0 (the numbers are the result, targets
-    are judged in the report). Namespaces, when used, are removed on the way out."""
-    nodes = ["bootstrap", *(f"unit{unit}" for unit in range(config.units))]
-    network: ChaosNetwork = Namespaces(nodes) if config.use_namespaces else Loopback()
+    are judged in the report). Namespaces, when used, are removed on the way out. With ``report_only`` nothing is
+    run: the report is rebuilt from the logs of an earlier run of the same configuration in ``config.out_dir``."""
     schedule = poisson_schedule(config.units, config.budget_s, config.rates, config.seed, config.start_after_s)
     config.out_dir.mkdir(parents=True, exist_ok=True)
     results: list[MethodResult] = []
-    try:
-        with MetricsLog(config.out_dir / "schedule.jsonl") as log:
-            for method in config.methods:
-                faults: list[Fault] = [] if method in FAULT_FREE else schedule
-                logger.info("chaos method=%s faults=%d budget_s=%.0f", method, len(faults), config.budget_s)
-                results.append(run_schedule(_target(method, config, network, log), faults, config.budget_s, log))
-    finally:
-        network.close()
+    with MetricsLog(config.out_dir / "schedule.jsonl") as log:
+        if report_only:
+            results = [_rebuilt_result(method, config, log) for method in config.methods]
+        else:
+            nodes = ["bootstrap", *(f"unit{unit}" for unit in range(config.units))]
+            network: ChaosNetwork = Namespaces(nodes) if config.use_namespaces else Loopback()
+            try:
+                for method in config.methods:
+                    faults: list[Fault] = [] if method in FAULT_FREE else schedule
+                    logger.info("chaos method=%s faults=%d budget_s=%.0f", method, len(faults), config.budget_s)
+                    results.append(run_schedule(_target(method, config, network, log), faults, config.budget_s, log))
+            finally:
+                network.close()
     header = {
         "command": " ".join(command),
         "environment": _environment(),

@@ -208,7 +208,43 @@ class SwarmTarget:
         if self.log is not None:
             faults = [event for event in read_events(self.log.path) if event.get("method") == self.name]
             result.notes += recovery_notes(self.run_dir, faults)
+            result.notes.append(time_breakdown(self.run_dir, faults, self.units, self.budget_s, self.started_at))
         return result
+
+
+def time_breakdown(run_dir: Path, faults: list[dict], units: int, budget_s: float, started_at: float) -> str:
+    """Where the allocated peer-time went, summed over units, as shares of it: useful compute, start-up (launch to
+    first join), crashed (down, up to the budget), rejoin (machine back to joined), frozen, lost steps (computed but
+    never merged) and the rest (evals, round bookkeeping, waiting for the CPU outside inner steps)."""
+    end = started_at + budget_s
+    totals = dict.fromkeys(("useful", "start-up", "crashed", "rejoin", "frozen", "lost steps"), 0.0)
+    for unit in range(units):
+        unit_dir = run_dir / f"unit{unit}"
+        if not (unit_dir / LEDGER_FILE).exists():
+            continue
+        ledger = GoodputLedger.model_validate_json((unit_dir / LEDGER_FILE).read_bytes())
+        joins = [event["time"] for event in read_events(unit_dir / "metrics.jsonl") if event["event"] == "join"]
+        totals["useful"] += ledger.useful_compute_s
+        totals["lost steps"] += ledger.compute_s - ledger.useful_compute_s
+        totals["start-up"] += min(joins[0], end) - started_at if joins else budget_s
+        own = [event for event in faults if event["event"] == "fault" and event["unit"] == unit]
+        for begin in (event for event in own if event["phase"] == "begin"):
+            ends = [
+                e["time"]
+                for e in own
+                if e["kind"] == begin["kind"] and e["phase"] == "end" and e["time"] > begin["time"]
+            ]
+            stop = min(ends[0] if ends else end, end)
+            if begin["kind"] == "crash":
+                totals["crashed"] += stop - begin["time"]
+                rejoined = [time for time in joins if time > stop]
+                totals["rejoin"] += min(rejoined[0], end) - stop if ends and rejoined else end - stop
+            elif begin["kind"] == "straggler":
+                totals["frozen"] += stop - begin["time"]
+    allocated = budget_s * units
+    rest = allocated - sum(totals.values())
+    shares = ", ".join(f"{name} {seconds / allocated:.1%}" for name, seconds in [*totals.items(), ("rest", rest)])
+    return f"allocated peer-time {allocated:.0f} s: {shares}"
 
 
 def recovery_notes(run_dir: Path, faults: list[dict]) -> list[str]:

@@ -14,6 +14,7 @@ from p2p_diloco.chaos.results import MethodResult
 
 class ChaosTarget(Protocol):
     name: str
+    started_at: float  # unix time at which every process had been launched
 
     def start(self) -> None:
         """Start the bootstrap (or rendezvous) node and all M units; returns once they are launched."""
