@@ -59,6 +59,19 @@ class MetricsLog:
         self.close()
 
 
+def read_events(path: Path) -> list[dict]:
+    """The events of a :class:`MetricsLog` file (a line cut short by a kill is skipped); empty if there is no file."""
+    if not path.exists():
+        return []
+    events = []
+    for line in path.read_text().splitlines():
+        try:
+            events.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return events
+
+
 def _finite(value: FieldValue) -> FieldValue:
     return None if isinstance(value, float) and not math.isfinite(value) else value
 

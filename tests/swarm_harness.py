@@ -6,7 +6,6 @@ group, so DHT/averager children and p2pd daemons never outlive a test. Waits pol
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -17,6 +16,7 @@ from pathlib import Path
 from p2p_diloco.chaos import faults
 from p2p_diloco.demo import peer_command, spawn, start_bootstrap, stop_process_groups
 from p2p_diloco.lifecycle import descendant_pids, is_running
+from p2p_diloco.metrics import read_events
 
 # Small and quick on 2 cores: ~1 M parameter GPT-2, 4 x 64 tokens per step, a round every 10 steps.
 TEST_PEER_FLAGS = ["--seq-len", "64", "--batch-size", "4", "--inner-steps", "10", "--join-timeout-s", "30"]
@@ -47,15 +47,7 @@ class Swarm:
         return process
 
     def events(self, name: str, kind: str | None = None) -> list[dict]:
-        path = self.root / name / "metrics.jsonl"
-        if not path.exists():
-            return []
-        events = []
-        for line in path.read_text().splitlines():
-            try:
-                events.append(json.loads(line))
-            except json.JSONDecodeError:  # a line being written right now
-                break
+        events = read_events(self.root / name / "metrics.jsonl")
         return [event for event in events if kind is None or event["event"] == kind]
 
     def rounds(self, name: str, after: float = 0.0) -> list[dict]:

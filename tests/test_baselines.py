@@ -19,11 +19,12 @@ from swarm_harness import wait_until
 
 from p2p_diloco.chaos.gang import GangTarget, eval_points, kept_step_limits, unit_results
 from p2p_diloco.chaos.network import Loopback
-from p2p_diloco.chaos.swarm_target import TrainingSetup, read_events
+from p2p_diloco.chaos.swarm_target import TrainingSetup
 from p2p_diloco.config import InnerSection
 from p2p_diloco.demo import CORPUS, TINY_MODEL
 from p2p_diloco.inner import InnerTrainer
 from p2p_diloco.lifecycle import descendant_pids, is_running
+from p2p_diloco.metrics import read_events
 
 
 # ------------------------------------------------------------------------------------ goodput reconstruction

@@ -30,9 +30,9 @@ from p2p_diloco.chaos.network import ChaosNetwork, Loopback
 from p2p_diloco.chaos.report import equal_tokens, loss_at_tokens, write_report
 from p2p_diloco.chaos.results import MethodResult
 from p2p_diloco.chaos.schedule import Fault, FaultRates, fraction_with_any_unit_down, poisson_schedule
-from p2p_diloco.chaos.swarm_target import SwarmTarget, TrainingSetup, read_events
+from p2p_diloco.chaos.swarm_target import SwarmTarget, TrainingSetup
 from p2p_diloco.chaos.target import ChaosTarget
-from p2p_diloco.metrics import MetricsLog
+from p2p_diloco.metrics import MetricsLog, read_events
 
 logger = logging.getLogger(__name__)
 

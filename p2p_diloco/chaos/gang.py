@@ -33,9 +33,9 @@ from typing import Any, Literal
 from p2p_diloco.chaos.faults import freeze_tree, kill_tree, thaw
 from p2p_diloco.chaos.network import ChaosNetwork
 from p2p_diloco.chaos.results import EvalPoint, MethodResult, UnitResult
-from p2p_diloco.chaos.swarm_target import TrainingSetup, read_events
+from p2p_diloco.chaos.swarm_target import TrainingSetup
 from p2p_diloco.demo import spawn
-from p2p_diloco.metrics import MetricsLog
+from p2p_diloco.metrics import MetricsLog, read_events
 
 logger = logging.getLogger(__name__)
 

@@ -8,7 +8,6 @@ restarted after ``restart_delay_s``, as the shipped systemd unit does (``Restart
 
 from __future__ import annotations
 
-import json
 import logging
 import statistics
 import subprocess
@@ -21,7 +20,7 @@ from p2p_diloco.chaos.network import ChaosNetwork
 from p2p_diloco.chaos.results import EvalPoint, MethodResult, UnitResult
 from p2p_diloco.demo import bootstrap_command, peer_command, spawn, start_bootstrap, stop_process_groups
 from p2p_diloco.goodput import LEDGER_FILE, GoodputLedger
-from p2p_diloco.metrics import MetricsLog
+from p2p_diloco.metrics import MetricsLog, read_events
 
 logger = logging.getLogger(__name__)
 
@@ -54,19 +53,6 @@ class TrainingSetup:
             "--eval-batches", str(self.eval_batches),
             "--seed", str(self.seed),
         ]  # fmt: skip
-
-
-def read_events(path: Path) -> list[dict]:
-    """The JSON lines of ``path`` (a line cut short by a SIGKILL is skipped); empty if the file is missing."""
-    if not path.exists():
-        return []
-    events = []
-    for line in path.read_text().splitlines():
-        try:
-            events.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return events
 
 
 class SwarmTarget:
