@@ -1,10 +1,10 @@
 #!/usr/bin/env python
 """Chaos comparison of our decoupled swarm against synchronous baselines under one seeded fault schedule.
 
-    .venv/bin/python scripts/chaos.py --out results/chaos            # the committed run (see results/chaos/)
     .venv/bin/python scripts/chaos.py --budget-s 60 --methods ours sync-dp --out /tmp/chaos-smoke
 
-Partitions need network namespaces: add --namespaces --partition-mtbf-s S (root only).
+The command of the committed run (results/chaos/) is in README.md and in results/chaos/results.md. Partitions need
+network namespaces: add --namespaces --partition-mtbf-s S (root only). Bad input prints one ``error:`` line, exit 2.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from p2p_diloco.chaos.benchmark import METHODS, ChaosConfig, run_chaos_benchmark
+from p2p_diloco.chaos.namespaces import NamespaceError
 from p2p_diloco.chaos.schedule import FaultRates
 from p2p_diloco.chaos.swarm_target import TrainingSetup
 from p2p_diloco.demo import CORPUS, TINY_MODEL
@@ -48,7 +49,22 @@ def _parser() -> argparse.ArgumentParser:
 def main() -> int:
     args = _parser().parse_args()
     configure_logging("INFO")
-    config = ChaosConfig(
+    command = [Path(sys.executable).name, *(arg for arg in sys.argv if arg != "--report-only")]
+    try:
+        config = _config(args)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    try:
+        return run_chaos_benchmark(config, command, report_only=args.report_only)
+    except NamespaceError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+
+
+def _config(args: argparse.Namespace) -> ChaosConfig:
+    """Raises ValueError for invalid values."""
+    return ChaosConfig(
         units=args.units,
         budget_s=args.budget_s,
         seed=args.seed,
@@ -74,8 +90,6 @@ def main() -> int:
         start_after_s=args.start_after_s,
         use_namespaces=args.namespaces,
     )
-    command = [Path(sys.executable).name, *(arg for arg in sys.argv if arg != "--report-only")]
-    return run_chaos_benchmark(config, command, report_only=args.report_only)
 
 
 if __name__ == "__main__":
