@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -179,3 +181,18 @@ def test_time_breakdown_accounts_for_every_allocated_second(tmp_path: Path) -> N
         "allocated peer-time 100 s: useful 66.0%, start-up 5.0%, crashed 10.0%, rejoin 4.0%, frozen 5.0%, "
         "lost steps 4.0%, rest 6.0%"
     )
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--crash-mtbf-s", "0"], "error: crash_mtbf_s must be positive"),
+        (["--partition-mtbf-s", "60"], "error: partitions need network namespaces"),
+    ],
+)
+def test_chaos_script_refuses_bad_settings_in_one_line(tmp_path: Path, flags: list[str], message: str) -> None:
+    script = Path(__file__).resolve().parents[1] / "scripts" / "chaos.py"
+    command = [sys.executable, str(script), "--out", str(tmp_path / "out"), *flags]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and done.stderr.strip().splitlines()[-1].startswith(message), done.stderr
+    assert not (tmp_path / "out").exists()
