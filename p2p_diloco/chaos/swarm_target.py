@@ -206,27 +206,21 @@ def time_breakdown(run_dir: Path, faults: list[dict], units: int, budget_s: floa
     totals = dict.fromkeys(("useful", "start-up", "crashed", "rejoin", "frozen", "lost steps"), 0.0)
     for unit in range(units):
         unit_dir = run_dir / f"unit{unit}"
-        if not (unit_dir / LEDGER_FILE).exists():
+        ledger = _read_ledger(unit_dir)
+        if ledger is None:
             continue
-        ledger = GoodputLedger.model_validate_json((unit_dir / LEDGER_FILE).read_bytes())
         joins = [event["time"] for event in read_events(unit_dir / "metrics.jsonl") if event["event"] == "join"]
         totals["useful"] += ledger.useful_compute_s
         totals["lost steps"] += ledger.compute_s - ledger.useful_compute_s
         totals["start-up"] += min(joins[0], end) - started_at if joins else budget_s
-        own = [event for event in faults if event["event"] == "fault" and event["unit"] == unit]
-        for begin in (event for event in own if event["phase"] == "begin"):
-            ends = [
-                e["time"]
-                for e in own
-                if e["kind"] == begin["kind"] and e["phase"] == "end" and e["time"] > begin["time"]
-            ]
-            stop = min(ends[0] if ends else end, end)
-            if begin["kind"] == "crash":
-                totals["crashed"] += stop - begin["time"]
+        for kind, begin, ended in _fault_windows(faults, unit):
+            stop = min(end if ended is None else ended, end)
+            if kind == "crash":
+                totals["crashed"] += stop - begin
                 rejoined = [time for time in joins if time > stop]
-                totals["rejoin"] += min(rejoined[0], end) - stop if ends and rejoined else end - stop
-            elif begin["kind"] == "straggler":
-                totals["frozen"] += stop - begin["time"]
+                totals["rejoin"] += min(rejoined[0], end) - stop if ended is not None and rejoined else end - stop
+            elif kind == "straggler":
+                totals["frozen"] += stop - begin
     allocated = budget_s * units
     rest = allocated - sum(totals.values())
     shares = ", ".join(f"{name} {seconds / allocated:.1%}" for name, seconds in [*totals.items(), ("rest", rest)])
@@ -257,7 +251,11 @@ def recovery_notes(run_dir: Path, faults: list[dict]) -> list[str]:
             f" {join_eval['time'] - download_started:.2f} s"
         )
     for unit, unit_events in events.items():
-        own = _own_fault_windows(faults, unit)
+        own = [
+            (begin, float("inf") if ended is None else ended)
+            for kind, begin, ended in _fault_windows(faults, unit)
+            if kind in ("crash", "straggler")
+        ]
         steps = [event["time"] for event in unit_events if event["event"] == "inner_step"]
         gaps = [
             later - earlier
@@ -269,20 +267,29 @@ def recovery_notes(run_dir: Path, faults: list[dict]) -> list[str]:
     return notes
 
 
+def _read_ledger(unit_dir: Path) -> GoodputLedger | None:
+    """The unit's goodput ledger as it was left (unlike ``GoodputLedger.load_or_create``, counts no start); None if
+    the unit never started."""
+    path = unit_dir / LEDGER_FILE
+    return GoodputLedger.model_validate_json(path.read_bytes()) if path.exists() else None
+
+
 def _units_in(run_dir: Path) -> list[int]:
     return sorted(int(path.name.removeprefix("unit")) for path in run_dir.glob("unit*") if path.is_dir())
 
 
-def _own_fault_windows(faults: list[dict], unit: int) -> list[tuple[float, float]]:
-    """(begin, end) unix times of the unit's own crashes and freezes; an unfinished one ends at infinity."""
-    windows, begun = [], {}
+def _fault_windows(faults: list[dict], unit: int) -> list[tuple[str, float, float | None]]:
+    """(kind, begin, end) unix times of the unit's own faults from the schedule log; end is None for one that never
+    ended (a unit has one fault at a time, so each end closes the last begin of its kind)."""
+    windows: list[tuple[str, float, float | None]] = []
+    begun: dict[str, float] = {}
     for fault in faults:
-        if fault["event"] == "fault" and fault["unit"] == unit and fault["kind"] in ("crash", "straggler"):
+        if fault["event"] == "fault" and fault["unit"] == unit:
             if fault["phase"] == "begin":
                 begun[fault["kind"]] = fault["time"]
             elif fault["kind"] in begun:
-                windows.append((begun.pop(fault["kind"]), fault["time"]))
-    return windows + [(start, float("inf")) for start in begun.values()]
+                windows.append((fault["kind"], begun.pop(fault["kind"]), fault["time"]))
+    return windows + [(kind, start, None) for kind, start in begun.items()]
 
 
 def swarm_result(name: str, run_dir: Path, units: int, budget_s: float, started_at: float) -> MethodResult:
@@ -296,8 +303,7 @@ def swarm_result(name: str, run_dir: Path, units: int, budget_s: float, started_
     per_unit = [read_events(run_dir / f"unit{unit}" / "metrics.jsonl") for unit in range(units)]
     results, merged, evals, finals = [], [], [], []
     for unit, events in enumerate(per_unit):
-        ledger_path = run_dir / f"unit{unit}" / LEDGER_FILE
-        ledger = GoodputLedger.model_validate_json(ledger_path.read_bytes()) if ledger_path.exists() else None
+        ledger = _read_ledger(run_dir / f"unit{unit}")
         if ledger is None:
             results.append(UnitResult(unit, 0.0, 0.0, 0, 0))
             continue
