@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import hivemind
 import torch
 from hivemind.averaging.control import StepControl
+from hivemind.compression import CompressionBase, NoCompression
 from hivemind.utils import get_dht_time
 
 from p2p_diloco.diloco import probe_drift
@@ -50,6 +51,12 @@ class RoundOutcome:
     finished_at: float
     member_drift: float = 0.0  # relative distance between members' global parameters before the round
     error: str | None = None
+    member_tags: tuple[str, ...] = ()  # every member's ``tag`` (see ``begin_round``)
+
+    @property
+    def tags_agree(self) -> bool:
+        """True when every member declared the same tag (e.g. averaged the same fragment)."""
+        return len(set(self.member_tags)) <= 1
 
     @property
     def succeeded(self) -> bool:
@@ -62,6 +69,7 @@ class _PendingRound:
     proposal: list[torch.Tensor]
     weight: float
     outer_round: int
+    tag: str
     started_at: float
 
 
@@ -83,6 +91,7 @@ class OuterAverager:
         target_group_size: int,
         allreduce_timeout_s: float,
         request_timeout_s: float = 1.0,
+        compression: CompressionBase | None = None,
     ):
         self.quorum = quorum
         self._shapes = [tuple(tensor.shape) for tensor in template]
@@ -96,6 +105,7 @@ class OuterAverager:
             min_matchmaking_time=request_timeout_s * 1.5,
             request_timeout=request_timeout_s,
             allreduce_timeout=allreduce_timeout_s,
+            compression=compression if compression is not None else NoCompression(),
         )
         self._pending: _PendingRound | None = None
 
@@ -106,11 +116,12 @@ class OuterAverager:
         outer_round: int,
         window_s: float,
         probe: Sequence[float] = (),
+        tag: str = "",
     ) -> None:
         """Start averaging ``proposal`` (weighted by ``weight`` > 0) in the background; returns at once.
 
         ``probe`` (see ``diloco.consensus_probe``) is shared with the group to measure how far apart the
-        members' global parameters were.
+        members' global parameters were; ``tag`` too, so that members can check they averaged the same thing.
 
         Raises RuntimeError if a round is already in flight and ValueError for a proposal of another shape.
         """
@@ -122,13 +133,13 @@ class OuterAverager:
         now = get_dht_time()
         control = self._averager.step(
             weight=float(weight),
-            gather=dict(outer_round=int(outer_round), weight=float(weight), probe=list(probe)),
+            gather=dict(outer_round=int(outer_round), weight=float(weight), probe=list(probe), tag=str(tag)),
             scheduled_time=now + window_s,
             timeout=window_s + 1.0,
             allow_retries=True,
             wait=False,
         )
-        self._pending = _PendingRound(control, proposal, float(weight), int(outer_round), time.time())
+        self._pending = _PendingRound(control, proposal, float(weight), int(outer_round), str(tag), time.time())
 
     def poll(self) -> RoundOutcome | None:
         """The outcome of the round in flight once it ended, else None. Never raises for network failures."""
@@ -157,6 +168,7 @@ class OuterAverager:
             started_at=pending.started_at,
             finished_at=time.time(),
             member_drift=probe_drift(same_length),
+            member_tags=tuple(str(info.get("tag", "")) for info in infos),
         )
 
     def _without_group(self, pending: _PendingRound, error: str) -> RoundOutcome:
@@ -170,6 +182,7 @@ class OuterAverager:
                 total_weight=pending.weight,
                 started_at=pending.started_at,
                 finished_at=time.time(),
+                member_tags=(pending.tag,),
             )
         logger.warning("outer round %d failed (quorum %d not reached): %s", pending.outer_round, self.quorum, error)
         return RoundOutcome(None, 0, pending.outer_round, 0.0, pending.started_at, time.time(), error=error)

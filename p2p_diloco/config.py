@@ -80,6 +80,21 @@ class OuterSection(_Section):
     max_grace_s: float = Field(120.0, gt=0.0, description="upper bound of the matchmaking window (seconds)")
     allreduce_timeout_s: float = Field(30.0, gt=0.0, description="bound on one all-reduce once a group formed")
     sync_momentum: bool = Field(True, description="average the outer momentum with the parameters (2x bytes)")
+    fragments: int = Field(1, ge=1, le=64, description="P: streaming fragments syncing on staggered schedules")
+    max_in_flight: int = Field(2, ge=1, description="most rounds in flight at once (consensus rounds included)")
+    codec: Literal["fp32", "fp16", "int8"] = Field(
+        "fp32",
+        description="wire codec: fp32 averages outer-step proposals, fp16/int8 compressed pseudo-gradients",
+    )
+    consensus_tolerance: float = Field(
+        1e-3, gt=0.0, description="lossy codecs: a consensus round follows any round whose members' φ differed more"
+    )
+    error_feedback: bool = Field(True, description="carry what a lossy codec dropped into the next pseudo-gradient")
+    consensus_every_rounds: int = Field(
+        10,
+        ge=0,
+        description="lossy codecs: fp32 re-averaging of a fragment's φ every N of its rounds (0: off)",
+    )
 
     @model_validator(mode="after")
     def _grace_bounds(self) -> OuterSection:

@@ -7,17 +7,21 @@ import logging
 import threading
 from pathlib import Path
 
+import hivemind
 import torch
 
 from p2p_diloco.averaging import OuterAverager
+from p2p_diloco.compression import hivemind_compression
 from p2p_diloco.config import PeerConfig
 from p2p_diloco.data import load_text_data, shard_seed
 from p2p_diloco.dht import start_dht, stop_dht, visible_multiaddrs
+from p2p_diloco.fragments import partition, views
 from p2p_diloco.lifecycle import install_stop_signals
 from p2p_diloco.metrics import MetricsLog
 from p2p_diloco.model import load_model
 from p2p_diloco.records import SwarmRecords, record_validators
 from p2p_diloco.state_sync import StateServer
+from p2p_diloco.streaming import consensus_size
 from p2p_diloco.unit import JoinError, LearningUnit
 
 logger = logging.getLogger(__name__)
@@ -50,20 +54,26 @@ def run_peer(config: PeerConfig, stop: threading.Event) -> None:
         data = load_text_data(config.data, loaded.tokenizer, shard_seed(config.model.seed, peer_id))
         trained = [param for param in loaded.model.parameters() if param.requires_grad]
         prefix = f"{run_id}_{loaded.fingerprint}"
-        averager = OuterAverager(
-            dht,
-            f"{prefix}_outer",
-            trained * 2 if config.outer.sync_momentum else trained,
-            quorum=config.outer.quorum,
-            target_group_size=config.outer.target_group_size,
-            allreduce_timeout_s=config.outer.allreduce_timeout_s,
-        )
-        owned.callback(averager.shutdown)
-        state_server = StateServer(dht, f"{prefix}_state", trained)
+        outer = config.outer
+        fragments = partition([param.shape for param in trained], outer.fragments)
+        stream = f"{prefix}_p{outer.fragments}_{outer.codec}"  # units of other streaming settings never meet
+        averagers = []
+        for fragment in fragments:
+            template = views(trained, fragment)
+            averagers.append(_averager(config, dht, f"{stream}_f{fragment.number}", template * _copies(config)))
+            owned.callback(averagers[-1].shutdown)
+        consensus_averager = None
+        if outer.codec != "fp32" and outer.consensus_every_rounds > 0:
+            template = [torch.zeros(consensus_size(fragments))]
+            consensus_averager = _averager(config, dht, f"{stream}_consensus", template, lossless=True)
+            owned.callback(consensus_averager.shutdown)
+        state_server = StateServer(dht, f"{prefix}_p{outer.fragments}_state", trained, fragments=len(fragments))
         owned.callback(state_server.shutdown)
         install_stop_signals()  # starting a hivemind averager turned Ctrl+C off in this process
         metrics = owned.enter_context(MetricsLog(Path(config.run.work_dir) / "metrics.jsonl"))
-        unit = LearningUnit(config, loaded, data, averager, state_server, records, peer_id, metrics)
+        unit = LearningUnit(
+            config, loaded, data, averagers, state_server, records, peer_id, metrics, consensus_averager
+        )
         source = unit.join()
         metrics.write(
             "join",
@@ -78,3 +88,23 @@ def run_peer(config: PeerConfig, stop: threading.Event) -> None:
             unit.run(stop)
         finally:
             unit.finish()
+
+
+def _copies(config: PeerConfig) -> int:
+    """How many copies of a fragment's shapes a round averages: φ and m for fp32 proposals with momentum, else one."""
+    return 2 if config.outer.codec == "fp32" and config.outer.sync_momentum else 1
+
+
+def _averager(
+    config: PeerConfig, dht: hivemind.DHT, prefix: str, template: list[torch.Tensor], lossless: bool = False
+) -> OuterAverager:
+    outer = config.outer
+    return OuterAverager(
+        dht,
+        prefix,
+        template,
+        quorum=outer.quorum,
+        target_group_size=outer.target_group_size,
+        allreduce_timeout_s=outer.allreduce_timeout_s,
+        compression=hivemind_compression("fp32" if lossless else outer.codec),
+    )

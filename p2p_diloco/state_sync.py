@@ -5,8 +5,9 @@ it only answers state downloads (``load_state_from_peers``), and donors are trie
 round, freshest first. The bootstrap node serves nothing: state always comes from a live unit.
 
 Wire layout of a state: ``[*global_params, *momentum, counters]`` where ``counters`` is a float64 tensor
-``[format, outer_round, inner_step, tokens]``. A download is validated before use (tensor count, shapes,
-dtypes, finite values, sane counters); an invalid or missing state yields None and a logged reason.
+``[format, inner_step, tokens, *fragment_rounds]`` (one outer round per streaming fragment). A download is
+validated before use (tensor count, shapes, dtypes, finite values, sane counters); an invalid or missing state
+yields None and a logged reason.
 
 Known limit: a download that overlaps the donor's publication of the next round may mix two consecutive
 rounds' tensors; the joiner's next averaging round pulls it back into consensus like any drift.
@@ -24,16 +25,21 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-STATE_FORMAT = 1.0
+STATE_FORMAT = 2.0
 
 
 @dataclass
 class SwarmState:
     global_params: list[torch.Tensor]
     momentum: list[torch.Tensor]
-    outer_round: int
+    fragment_rounds: list[int]
     inner_step: int
     tokens: int
+
+    @property
+    def outer_round(self) -> int:
+        """The round every fragment reached (the smallest fragment round)."""
+        return min(self.fragment_rounds)
 
 
 class StateServer:
@@ -43,11 +49,18 @@ class StateServer:
     """
 
     def __init__(
-        self, dht: hivemind.DHT, prefix: str, template: Sequence[torch.Tensor], request_timeout_s: float = 3.0
+        self,
+        dht: hivemind.DHT,
+        prefix: str,
+        template: Sequence[torch.Tensor],
+        fragments: int = 1,
+        request_timeout_s: float = 3.0,
     ):
         self._shapes = [tuple(tensor.shape) for tensor in template]
+        self._fragments = fragments
         self._averager = hivemind.DecentralizedAverager(
-            averaged_tensors=[torch.zeros(shape) for shape in self._shapes * 2] + [torch.zeros(4, dtype=torch.float64)],
+            averaged_tensors=[torch.zeros(shape) for shape in self._shapes * 2]
+            + [torch.zeros(3 + fragments, dtype=torch.float64)],
             dht=dht,
             start=True,
             prefix=prefix,
@@ -59,12 +72,17 @@ class StateServer:
         )
 
     def publish(self, state: SwarmState) -> None:
-        """Make ``state`` the one served to peers (copied); sharing starts with the first publication."""
+        """Make ``state`` the one served to peers (copied); sharing starts with the first publication.
+        Raises ValueError when it has another number of fragment rounds than this server was made for."""
+        if len(state.fragment_rounds) != self._fragments:
+            raise ValueError(f"expected {self._fragments} fragment rounds, got {len(state.fragment_rounds)}")
         with self._averager.get_tensors() as buffers:
             for buffer, tensor in zip(buffers, [*state.global_params, *state.momentum]):
                 buffer.copy_(tensor.detach().to(device="cpu", dtype=torch.float32))
             buffers[-1].copy_(
-                torch.tensor([STATE_FORMAT, state.outer_round, state.inner_step, state.tokens], dtype=torch.float64)
+                torch.tensor(
+                    [STATE_FORMAT, state.inner_step, state.tokens, *state.fragment_rounds], dtype=torch.float64
+                )
             )
         self._averager.state_sharing_priority = float(state.outer_round)
         self._averager.allow_state_sharing = True
@@ -99,18 +117,19 @@ class StateServer:
             if not torch.isfinite(tensor).all():
                 raise ValueError(f"tensor {index} has non-finite values")
         counters = tensors[-1]
-        if counters.dtype != torch.float64 or tuple(counters.shape) != (4,):
-            raise ValueError("malformed counters")
-        format_version, outer_round, inner_step, tokens = (float(value) for value in counters)
+        if counters.dtype != torch.float64 or tuple(counters.shape) != (3 + self._fragments,):
+            raise ValueError("malformed counters (another state format or number of fragments)")
+        format_version, inner_step, tokens, *rounds = (float(value) for value in counters)
         if format_version != STATE_FORMAT:
             raise ValueError(f"unknown state format {format_version}")
-        for name, value in (("outer_round", outer_round), ("inner_step", inner_step), ("tokens", tokens)):
+        named = [("inner_step", inner_step), ("tokens", tokens), *(("fragment round", value) for value in rounds)]
+        for name, value in named:
             if not (math.isfinite(value) and value >= 0 and value == int(value)):
                 raise ValueError(f"invalid {name} {value}")
         return SwarmState(
             global_params=[tensor.clone() for tensor in tensors[:count]],
             momentum=[tensor.clone() for tensor in tensors[count : 2 * count]],
-            outer_round=int(outer_round),
+            fragment_rounds=[int(value) for value in rounds],
             inner_step=int(inner_step),
             tokens=int(tokens),
         )

@@ -1,15 +1,25 @@
 """One learning unit: inner steps, outer rounds in the background, join/rejoin, checkpoints, clean exit.
 
-Round schedule: a round starts ``inner_steps`` (H) inner steps after the previous one ended, so units that
-averaged together stay in phase. While its average is in flight the unit keeps training; the result is
-merged whenever it arrives with θ ← φ_new + (θ_now − θ_sent), so the overlapped steps are kept (no step
-is ever thrown away and the inner loop never waits on the network). The wait is bounded: matchmaking by
-the grace window (``grace_fraction`` × H × measured step time, clamped to [min_grace_s, max_grace_s]) and the
-all-reduce by ``allreduce_timeout_s``. A failed round leaves φ unchanged, so its progress is carried by
-the next pseudo-gradient. The outer round after a merge is max(rounds of the group members) + 1.
+Streaming: the trained parameters are split into P fragments (fragments.py), each with its own averager, outer round
+and schedule; P = 1 is plain DiLoCo. Fragment p's round starts ``inner_steps`` (H) inner steps after its previous
+round ended (the first one after H·(p+1)/P steps), so units that averaged together stay in phase, and at most
+``max_in_flight`` rounds (consensus rounds included) are in flight at once. While an average is in flight the unit
+keeps training; the result is merged whenever it arrives with θ_p ← φ_p,new + (θ_p,now − θ_p,sent), so the
+overlapped steps are kept (no step is ever thrown away and the inner loop never waits on the network). The wait is
+bounded: matchmaking by the grace window (``grace_fraction`` × H × measured step time, clamped to
+[min_grace_s, max_grace_s]) and the all-reduce by ``allreduce_timeout_s``. A failed round leaves φ_p unchanged, so
+its progress is carried by the next pseudo-gradient. A fragment's outer round after a merge is max(rounds of the
+group members) + 1; the unit's outer round is its smallest fragment round. What is sent (fp32 proposals or compressed
+pseudo-gradients) and the consensus rounds of lossy codecs are described in streaming.py.
 
-Goodput (see p2p_diloco/goodput.py): the compute seconds of the inner steps a round sends become useful when that
-round merges; a failed or dropped round carries them into the next one, a local reset discards them.
+Goodput (see p2p_diloco/goodput.py): the compute seconds of the inner steps a fragment round sends become useful, in
+proportion to the fragment's share of the weights, when that round merges; a failed or dropped round carries them
+into the next one, a local reset discards them.
+
+Bookkeeping that costs I/O (saving the goodput ledger, publishing the state served to joiners, refreshing the DHT
+fingerprint, reading the socket byte counters, evals and checkpoints) runs when the unit's outer round advances, i.e.
+once per period whatever P, not at every fragment merge: a joiner may download a state up to one period old, which
+its next rounds bring back into consensus.
 
 Join rule: if live peers report a later outer round than this unit's local checkpoint (or it has none),
 the unit downloads φ, the outer momentum and the counters from a live peer and trains from φ; otherwise
@@ -18,12 +28,12 @@ it resumes its checkpoint, or starts from the initial weights when the swarm has
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import threading
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -31,6 +41,7 @@ from hivemind.utils import get_dht_time
 
 from p2p_diloco.averaging import OuterAverager, RoundOutcome
 from p2p_diloco.checkpoint import load_checkpoint, save_checkpoint
+from p2p_diloco.compression import ErrorFeedback, roundtrip
 from p2p_diloco.config import PeerConfig
 from p2p_diloco.data import TextData
 from p2p_diloco.diloco import (
@@ -39,16 +50,22 @@ from p2p_diloco.diloco import (
     consensus_probe,
     consensus_probe_indices,
     merge_local_progress,
-    outer_step,
-    pseudo_gradient,
 )
 from p2p_diloco.errors import UserError
+from p2p_diloco.fragments import assign, copies, due_fragments, partition, views
 from p2p_diloco.goodput import LEDGER_FILE, GoodputLedger
 from p2p_diloco.inner import InnerTrainer, StepStats
 from p2p_diloco.metrics import MetricsLog, ProgressBars, Throughput
 from p2p_diloco.model import LoadedModel, export_pretrained
 from p2p_diloco.records import PeerProgress, SwarmRecords
 from p2p_diloco.state_sync import StateServer, SwarmState
+from p2p_diloco.streaming import (
+    FragmentRounds,
+    SentRound,
+    consensus_correction,
+    consensus_payload,
+    consensus_size,
+)
 from p2p_diloco.wire import WireCounter
 
 logger = logging.getLogger(__name__)
@@ -61,41 +78,58 @@ class JoinError(UserError):
     """The unit cannot take part in this swarm; the message is one line for the user."""
 
 
-@dataclass
-class _SentRound:
-    local_at_send: list[torch.Tensor]
-    momentum_proposal: list[torch.Tensor]
-    tokens: int
-    compute_s: float
-    inner_step: int
-
-
 class LearningUnit:
-    """Owns θ (through the trainer), φ, the outer momentum and the round bookkeeping of one unit."""
+    """Owns θ (through the trainer), φ, the outer momentum and the round bookkeeping of one unit.
+
+    ``averagers`` holds one averager per streaming fragment (``config.outer.fragments``). ``consensus_averager``
+    (lossy codecs; None switches consensus rounds off) averages one fragment's φ_p at a time, in fp32, in a vector of
+    ``consensus_size`` elements. Raises ValueError when the averagers do not match the fragments.
+    """
 
     def __init__(
         self,
         config: PeerConfig,
         loaded: LoadedModel,
         data: TextData,
-        averager: OuterAverager,
+        averagers: Sequence[OuterAverager],
         state_server: StateServer,
         records: SwarmRecords,
         peer_id: str,
         metrics: MetricsLog,
+        consensus_averager: OuterAverager | None = None,
     ):
         self.config, self.loaded, self.data = config, loaded, data
-        self.averager, self.state_server, self.records = averager, state_server, records
+        self.averagers, self.consensus_averager = list(averagers), consensus_averager
+        self.state_server, self.records = state_server, records
         self.peer_id, self.metrics = peer_id, metrics
         self.trainer = InnerTrainer(loaded.model, config.inner, loaded.device)
         self.hyper = OuterHyperparams(config.outer.outer_lr, config.outer.outer_momentum, config.outer.nesterov)
         self.global_params = self.trainer.local_parameters()
         self.momentum = [torch.zeros_like(tensor) for tensor in self.global_params]
-        self.probe_indices = consensus_probe_indices(self.global_params)
-        self.outer_round = self.inner_step = self.tokens = 0
-        self.tokens_since_round = self.steps_since_round = 0
-        self.compute_since_round = 0.0
-        self.sent: _SentRound | None = None
+        outer = config.outer
+        fragments = partition([tensor.shape for tensor in self.global_params], outer.fragments)
+        if len(self.averagers) != len(fragments):
+            raise ValueError(f"{len(fragments)} fragments need as many averagers, got {len(self.averagers)}")
+        total = sum(fragment.numel for fragment in fragments)
+        compressed = outer.codec != "fp32"
+        feedback = compressed and outer.error_feedback
+        self.fragments = [
+            FragmentRounds(
+                fragment,
+                fragment.numel / total,
+                compressed,
+                outer.sync_momentum,
+                error_feedback=ErrorFeedback() if feedback else None,
+                roundtrip=functools.partial(roundtrip, codec=outer.codec) if feedback else None,
+            )
+            for fragment in fragments
+        ]
+        self.consensus_size = consensus_size(fragments)
+        self.consensus_due: list[int] = []  # fragments waiting for a consensus round, oldest first
+        self.consensus_sent: tuple[int, torch.Tensor] | None = None  # (fragment, payload) in flight
+        self.probe_indices = [consensus_probe_indices(views(self.global_params, f)) for f in fragments]
+        self._restart_schedules()
+        self.inner_step = self.tokens = 0
         self.throughput = Throughput()
         self.last_loss = float("nan")
         self.last_group_size = 0
@@ -104,6 +138,25 @@ class LearningUnit:
         self.ledger_path = Path(config.run.work_dir) / LEDGER_FILE
         self.ledger = GoodputLedger.load_or_create(self.ledger_path)
         self.wire = WireCounter()
+
+    @property
+    def outer_round(self) -> int:
+        """The outer round every fragment reached (the smallest fragment round)."""
+        return min(rounds.outer_round for rounds in self.fragments)
+
+    def fragment_rounds(self) -> list[int]:
+        return [rounds.outer_round for rounds in self.fragments]
+
+    def set_fragment_rounds(self, values: Sequence[int]) -> None:
+        """Adopt per-fragment rounds; a list for another number of fragments sets every fragment to its minimum."""
+        if len(values) != len(self.fragments):
+            values = [min(values, default=0)] * len(self.fragments)
+        for rounds, value in zip(self.fragments, values):
+            rounds.outer_round = int(value)
+
+    def _restart_schedules(self) -> None:
+        for rounds in self.fragments:
+            rounds.restart_schedule(len(self.fragments), self.config.outer.inner_steps)
 
     # ----------------------------------------------------------------------------------------------- join
     def join(self) -> str:
@@ -146,9 +199,9 @@ class LearningUnit:
         )
 
     def _adopt(self, state: SwarmState) -> None:
-        """Train from the swarm's φ, momentum and outer round; inner step and token counters stay per unit."""
+        """Train from the swarm's φ, momentum and fragment rounds; inner step and token counters stay per unit."""
         self.global_params, self.momentum = state.global_params, state.momentum
-        self.outer_round = state.outer_round
+        self.set_fragment_rounds(state.fragment_rounds)
         self.trainer.load_parameters(self.global_params)
         self._publish_state()
 
@@ -156,9 +209,8 @@ class LearningUnit:
         self.global_params, self.momentum = checkpoint["global_params"], checkpoint["momentum"]
         self.trainer.load_parameters(checkpoint["local_params"])
         self.trainer.load_state_dict(checkpoint["inner"])
-        self.outer_round, self.inner_step, self.tokens = (
-            int(checkpoint[key]) for key in ("outer_round", "inner_step", "tokens")
-        )
+        self.set_fragment_rounds(checkpoint.get("fragment_rounds", [int(checkpoint["outer_round"])]))
+        self.inner_step, self.tokens = int(checkpoint["inner_step"]), int(checkpoint["tokens"])
         self._publish_state()
 
     # ----------------------------------------------------------------------------------------- training
@@ -194,28 +246,46 @@ class LearningUnit:
         """One inner step and its bookkeeping (counters, compute, throughput)."""
         stats = self.trainer.train_step(batches)
         self.inner_step += 1
-        self.steps_since_round += 1
         self.tokens += stats.tokens
-        self.tokens_since_round += stats.tokens
-        self.compute_since_round += stats.seconds
+        for rounds in self.fragments:
+            rounds.record_step(stats.tokens, stats.seconds)
         self.ledger.record_step(stats.seconds, stats.tokens)
         self.last_loss = stats.loss
         self.throughput.add(stats.tokens, stats.seconds)
         return stats
 
     def poll_round(self) -> RoundOutcome | None:
-        """Merge the outcome of the round in flight if it arrived; never waits."""
-        outcome = self.averager.poll()
-        if outcome is not None:
-            self._end_round(outcome)
-        return outcome
+        """Merge every fragment (and consensus) round that ended; never waits. Returns the last outcome merged."""
+        last = None
+        for rounds, averager in zip(self.fragments, self.averagers):
+            outcome = averager.poll()
+            if outcome is not None:
+                self._end_round(rounds, outcome)
+                last = outcome
+        if self.consensus_averager is not None:
+            outcome = self.consensus_averager.poll()
+            if outcome is not None:
+                self._end_consensus(outcome)
+        return last
+
+    def in_flight(self) -> set[int]:
+        """Fragments with a round in flight; a consensus round in flight counts as one more (as fragment -1)."""
+        busy = {rounds.fragment.number for rounds in self.fragments if rounds.sent is not None}
+        return busy | ({-1} if self.consensus_sent is not None else set())
 
     def maybe_begin_round(self) -> bool:
-        """Begin a round when H inner steps passed since the last one ended and none is in flight."""
-        if self.sent is None and self.steps_since_round >= self.config.outer.inner_steps:
-            self._begin_round()
+        """Begin the rounds that are due (see the module docstring) within the in-flight bound; True if any began."""
+        outer = self.config.outer
+        in_flight = self.in_flight()
+        due = due_fragments([rounds.steps_since_round for rounds in self.fragments], in_flight,
+                            outer.inner_steps, outer.max_in_flight)  # fmt: skip
+        for number in due:
+            if not self._begin_round(self.fragments[number]):
+                return True  # a local reset: every fragment starts over
+        if self.consensus_due and self.consensus_sent is None and len(in_flight) + len(due) < outer.max_in_flight:
+            self._begin_consensus(self.consensus_due.pop(0))
             return True
-        return False
+        return bool(due)
 
     def _grace_window_s(self) -> float:
         """How long a round recruits members: grace_fraction × H measured step times, clamped.
@@ -229,76 +299,84 @@ class LearningUnit:
         window = outer.grace_fraction * outer.inner_steps * self.throughput.step_time_s
         return min(outer.max_grace_s, max(outer.min_grace_s, window))
 
-    def _begin_round(self) -> None:
-        local_at_send = self.trainer.local_parameters()
+    def _begin_round(self, rounds: FragmentRounds) -> bool:
+        """Send fragment ``rounds``' payload; False (and a local reset) if θ is non-finite."""
+        local_at_send = copies(self.trainer.params, rounds.fragment)
         if not all_finite(local_at_send):
             # A diverged unit must not send NaN/inf: every group it joined would reject the average.
             logger.error("local parameters are non-finite at inner step %d: restarting from φ", self.inner_step)
             self.metrics.write("local_reset", outer_round=self.outer_round, inner_step=self.inner_step)
             self.trainer.load_parameters(self.global_params)
             self.trainer.reset_optimizer()
-            self._reset_round_counters()
-            return
-        delta = pseudo_gradient(self.global_params, local_at_send)
-        params_proposal, momentum_proposal = outer_step(self.global_params, self.momentum, delta, self.hyper)
-        proposal = params_proposal + (momentum_proposal if self.config.outer.sync_momentum else [])
-        weight, window_s = max(1, self.tokens_since_round), self._grace_window_s()
-        self.averager.begin_round(
-            proposal,
+            self._restart_schedules()
+            return False
+        payload, momentum_proposal = rounds.payload(self.global_params, self.momentum, local_at_send, self.hyper)
+        weight, window_s = max(1, rounds.tokens_since_round), self._grace_window_s()
+        number = rounds.fragment.number
+        self.averagers[number].begin_round(
+            payload,
             weight=weight,
-            outer_round=self.outer_round,
+            outer_round=rounds.outer_round,
             window_s=window_s,
-            probe=consensus_probe(self.global_params, self.probe_indices),
+            probe=consensus_probe(views(self.global_params, rounds.fragment), self.probe_indices[number]),
+            tag=f"fragment {number}",
         )
         self.metrics.write(
             "outer_round_begin",
-            outer_round=self.outer_round,
+            fragment=number,
+            outer_round=rounds.outer_round,
             inner_step=self.inner_step,
             window_s=window_s,
             scheduled_at=time.time() + window_s,
             weight=weight,
         )
-        self.sent = _SentRound(
-            local_at_send, momentum_proposal, self.tokens_since_round, self.compute_since_round, self.inner_step
+        rounds.sent = SentRound(
+            local_at_send, momentum_proposal, rounds.tokens_since_round, rounds.compute_since_round, self.inner_step
         )
-        self._reset_round_counters()
+        rounds.steps_since_round = rounds.tokens_since_round = 0
+        rounds.compute_since_round = 0.0
+        return True
 
-    def _reset_round_counters(self) -> None:
-        self.tokens_since_round = self.steps_since_round = 0
-        self.compute_since_round = 0.0
-
-    def _carry(self, sent: _SentRound) -> None:
-        """A round that did not merge: its steps' tokens and compute go into the next round."""
-        self.tokens_since_round += sent.tokens
-        self.compute_since_round += sent.compute_s
-
-    def _end_round(self, outcome: RoundOutcome) -> None:
-        sent, self.sent = self.sent, None
+    def _end_round(self, rounds: FragmentRounds, outcome: RoundOutcome) -> None:
+        sent, rounds.sent = rounds.sent, None
         assert sent is not None, "an outcome arrived without a round in flight"
-        self.steps_since_round = 0
+        rounds.steps_since_round = 0
         averaged = outcome.averaged
         if averaged is not None and not all_finite(averaged):
-            logger.error("rejected a non-finite average in outer round %d", self.outer_round)
+            logger.error("rejected a non-finite average in outer round %d", rounds.outer_round)
             averaged = None
+        number = rounds.fragment.number
         if averaged is None:
-            self._carry(sent)
-            self.metrics.write("outer_round_failed", outer_round=self.outer_round, error=outcome.error)
+            rounds.carry(sent)
+            self.metrics.write("outer_round_failed", fragment=number, outer_round=rounds.outer_round,
+                               error=outcome.error)  # fmt: skip
             return
-        count = len(self.global_params)
-        self.global_params = averaged[:count]
-        self.momentum = averaged[count:] if self.config.outer.sync_momentum else sent.momentum_proposal
-        self.trainer.load_parameters(
-            merge_local_progress(self.global_params, self.trainer.local_parameters(), sent.local_at_send)
+        unit_round_before = self.outer_round
+        new_params, new_momentum = rounds.merged(averaged, self.global_params, self.momentum, sent, self.hyper)
+        assign(self.global_params, rounds.fragment, new_params)
+        assign(self.momentum, rounds.fragment, new_momentum)
+        merged_local = merge_local_progress(
+            new_params, copies(self.trainer.params, rounds.fragment), sent.local_at_send
         )
-        self.outer_round = max(self.outer_round, outcome.max_member_round) + 1
+        assign(self.trainer.params, rounds.fragment, merged_local)
+        rounds.outer_round = max(rounds.outer_round, outcome.max_member_round) + 1
         self.last_group_size = outcome.group_size
-        self.ledger.record_merge(sent.compute_s, sent.tokens)
-        self.ledger.save(self.ledger_path)
-        self._publish_state()
-        self.records.refresh_model_fingerprint(self.loaded.fingerprint)
+        self.ledger.record_merge(sent.compute_s * rounds.share, round(sent.tokens * rounds.share))
+        advanced = self.outer_round > unit_round_before  # once per period with P fragments: the I/O-bound bookkeeping
+        if advanced:
+            self.ledger.save(self.ledger_path)
+            self._publish_state()
+            self.records.refresh_model_fingerprint(self.loaded.fingerprint)
+        outer = self.config.outer
+        periodic = outer.consensus_every_rounds and rounds.outer_round % outer.consensus_every_rounds == 0
+        drifted = outcome.member_drift > outer.consensus_tolerance  # every member saw the same probes: all decide alike
+        if self.consensus_averager is not None and (periodic or drifted) and number not in self.consensus_due:
+            self.consensus_due.append(number)
         self.metrics.write(
             "outer_round",
-            outer_round=self.outer_round,
+            fragment=number,
+            outer_round=rounds.outer_round,
+            unit_outer_round=self.outer_round,
             group_size=outcome.group_size,
             overlap_steps=self.inner_step - sent.inner_step,
             seconds=outcome.finished_at - outcome.started_at,
@@ -306,12 +384,49 @@ class LearningUnit:
             member_drift=outcome.member_drift,
             useful_compute_s=self.ledger.useful_compute_s,
             useful_tokens=self.ledger.useful_tokens,
-            **self._wire_fields(),
+            **(self._wire_fields() if advanced else {}),
         )
-        if self.outer_round % self.config.run.eval_every_rounds == 0:
-            self._evaluate("outer_round")
-        if self.outer_round % self.config.run.checkpoint_every_rounds == 0:
-            self.save()
+        if advanced:
+            if self.outer_round % self.config.run.eval_every_rounds == 0:
+                self._evaluate("outer_round")
+            if self.outer_round % self.config.run.checkpoint_every_rounds == 0:
+                self.save()
+
+    def _begin_consensus(self, number: int) -> None:
+        """Average fragment ``number``'s φ_p in fp32 with whichever units are in the same phase."""
+        assert self.consensus_averager is not None
+        fragment = self.fragments[number].fragment
+        payload = consensus_payload(self.global_params, fragment, self.consensus_size)
+        self.consensus_averager.begin_round(
+            [payload],
+            weight=1.0,
+            outer_round=self.fragments[number].outer_round,
+            window_s=self._grace_window_s(),
+            probe=consensus_probe(views(self.global_params, fragment), self.probe_indices[number]),
+            tag=f"fragment {number}",
+        )
+        self.consensus_sent = (number, payload)
+        self.metrics.write("consensus_begin", fragment=number, inner_step=self.inner_step)
+
+    def _end_consensus(self, outcome: RoundOutcome) -> None:
+        """Add (group mean − sent) to φ_p and θ_p; a failed or lone round, or one mixing fragments, changes nothing."""
+        assert self.consensus_sent is not None, "a consensus outcome arrived without a round in flight"
+        (number, sent), self.consensus_sent = self.consensus_sent, None
+        usable = outcome.averaged is not None and outcome.tags_agree and all_finite(outcome.averaged)
+        if usable and outcome.group_size > 1:
+            fragment = self.fragments[number].fragment
+            fix = consensus_correction(outcome.averaged[0], sent, fragment, self.global_params)
+            for tensors in (self.global_params, self.trainer.params):
+                assign(tensors, fragment, [now + delta for now, delta in zip(copies(tensors, fragment), fix)])
+        self.metrics.write(
+            "consensus_round",
+            fragment=number,
+            group_size=outcome.group_size,
+            applied=usable and outcome.group_size > 1,
+            member_drift=outcome.member_drift,
+            seconds=outcome.finished_at - outcome.started_at,
+            error=outcome.error,
+        )
 
     # ------------------------------------------------------------------------------------ reporting, io
     def _evaluate(self, reason: str) -> None:
@@ -321,7 +436,7 @@ class LearningUnit:
 
     def _publish_state(self) -> None:
         self.state_server.publish(
-            SwarmState(self.global_params, self.momentum, self.outer_round, self.inner_step, self.tokens)
+            SwarmState(self.global_params, self.momentum, self.fragment_rounds(), self.inner_step, self.tokens)
         )
 
     def _publish_progress(self) -> None:
@@ -354,6 +469,7 @@ class LearningUnit:
                 "momentum": self.momentum,
                 "inner": self.trainer.state_dict(),
                 "outer_round": self.outer_round,
+                "fragment_rounds": self.fragment_rounds(),
                 "inner_step": self.inner_step,
                 "tokens": self.tokens,
             },
@@ -364,17 +480,24 @@ class LearningUnit:
         all-reduce timeout; with quorum 1 it completes alone if nobody joins), then final eval, checkpoint and
         export of the consensus parameters. A round that does not end in time is dropped; its progress stays in
         the checkpoint's local parameters."""
-        if self.sent is None and self.steps_since_round > 0:
-            self._begin_round()
-        if self.sent is not None:
+        for rounds in self.fragments:
+            if rounds.sent is None and rounds.steps_since_round > 0 and not self._begin_round(rounds):
+                break  # a local reset: nothing finite to hand over
+        if self.consensus_averager is not None and self.consensus_sent is not None:
+            self.consensus_averager.finish_round(0.0)  # a consensus round has no progress of its own to keep
+            self.consensus_sent = None
+        in_flight = [(rounds, averager) for rounds, averager in zip(self.fragments, self.averagers) if rounds.sent]
+        if in_flight:
             timeout_s = self._grace_window_s() + 1.0 + self.config.outer.allreduce_timeout_s
-            logger.info("finishing the last outer round (at most %.0f s; Ctrl+C again to abort)", timeout_s)
-            outcome = self.averager.finish_round(timeout_s)
-            if outcome is not None:
-                self._end_round(outcome)
-            else:
-                self._carry(self.sent)
-                self.sent = None
+            logger.info("finishing the last outer rounds (at most %.0f s; Ctrl+C again to abort)", timeout_s)
+            deadline = time.monotonic() + timeout_s
+            for rounds, averager in in_flight:
+                outcome = averager.finish_round(max(0.0, deadline - time.monotonic()))
+                if outcome is not None:
+                    self._end_round(rounds, outcome)
+                elif rounds.sent is not None:
+                    rounds.carry(rounds.sent)
+                    rounds.sent = None
         self._evaluate("final")
         self.save()
         if self.config.run.save_dir is not None:

@@ -4,3 +4,5 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
+from unit_peers import make_peer  # noqa: E402,F401  (the fixture, shared by the unit test modules)

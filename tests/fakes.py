@@ -34,6 +34,7 @@ class BegunRound:
     window_s: float
     probe: list[float]
     started_at: float
+    tag: str = ""
 
 
 class FakeGroup:
@@ -81,6 +82,7 @@ class FakeGroup:
             started_at=own.started_at,
             finished_at=time.time(),
             member_drift=probe_drift([begun.probe for begun in begun_rounds if begun.probe]),
+            member_tags=tuple(begun.tag for begun in begun_rounds),
         )
 
 
@@ -112,9 +114,12 @@ class FakeAverager:
         outer_round: int,
         window_s: float,
         probe: Sequence[float] = (),
+        tag: str = "",
     ) -> None:
         check_round_request(self._in_flight, self.shapes, proposal, weight)
-        begun = BegunRound(clone_all(proposal), float(weight), int(outer_round), window_s, list(probe), time.time())
+        begun = BegunRound(
+            clone_all(proposal), float(weight), int(outer_round), window_s, list(probe), time.time(), tag
+        )
         self.begun.append(begun)
         self._in_flight = True
         self.group._join(self, begun)
@@ -161,7 +166,11 @@ class FakeStateServer:
 
 def _copy_state(state: SwarmState) -> SwarmState:
     return SwarmState(
-        clone_all(state.global_params), clone_all(state.momentum), state.outer_round, state.inner_step, state.tokens
+        clone_all(state.global_params),
+        clone_all(state.momentum),
+        list(state.fragment_rounds),
+        state.inner_step,
+        state.tokens,
     )
 
 

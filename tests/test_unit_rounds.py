@@ -3,23 +3,28 @@ tiny model, corpus, inner trainer, checkpoints and metrics log. No network, no p
 
 from __future__ import annotations
 
-import json
 import math
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, cast
 
 import pytest
 import torch
-from fakes import FakeAverager, FakeGroup, FakeRecords, FakeStateServer, clone_all
+from fakes import FakeGroup, FakeRecords, clone_all
 from transformers import AutoModelForCausalLM
+from unit_peers import (
+    SYNC_DATA_PARALLEL,
+    TOKENS_PER_STEP,
+    Peer,
+    PeerFactory,
+    inner_step,
+    maybe_begin,
+    poll,
+    train_until_round,
+)
 
 from p2p_diloco.checkpoint import load_checkpoint, save_checkpoint
-from p2p_diloco.config import PeerConfig, load_config
-from p2p_diloco.data import load_text_data, shard_seed
 from p2p_diloco.diloco import (
     consensus_probe,
     merge_local_progress,
@@ -29,107 +34,9 @@ from p2p_diloco.diloco import (
     weighted_average,
 )
 from p2p_diloco.goodput import GoodputLedger
-from p2p_diloco.metrics import MetricsLog
-from p2p_diloco.model import load_model
 from p2p_diloco.records import PeerProgress
 from p2p_diloco.state_sync import SwarmState
-from p2p_diloco.unit import JoinError, LearningUnit
-
-ASSETS = Path(__file__).resolve().parents[1] / "p2p_diloco" / "assets"
-SEQ_LEN, BATCH_SIZE = 32, 2
-TOKENS_PER_STEP = SEQ_LEN * BATCH_SIZE
-SYNC_DATA_PARALLEL = dict(
-    outer__inner_steps=1, outer__outer_lr=1.0, outer__outer_momentum=0.0, outer__sync_momentum=True
-)
-
-
-@dataclass
-class Peer:
-    """A learning unit with its fakes and its training batch stream."""
-
-    unit: LearningUnit
-    averager: FakeAverager
-    state_server: FakeStateServer
-    records: FakeRecords
-    batches: Iterator[torch.Tensor]
-    work_dir: Path
-
-    def events(self, name: str) -> list[dict[str, Any]]:
-        lines = (self.work_dir / "metrics.jsonl").read_text().splitlines()
-        return [event for event in map(json.loads, lines) if event["event"] == name]
-
-
-PeerFactory = Callable[..., Peer]
-
-
-def make_config(work_dir: Path, **overrides: Any) -> PeerConfig:
-    settings: dict[str, Any] = dict(
-        model__model_config_path=str(ASSETS / "tiny-gpt2"),
-        model__device="cpu",
-        data__dataset=str(ASSETS / "corpus"),
-        data__seq_len=SEQ_LEN,
-        data__batch_size=BATCH_SIZE,
-        data__eval_batches=1,
-        inner__warmup_steps=0,
-        outer__inner_steps=2,
-        run__work_dir=str(work_dir),
-        run__progress=False,
-    )
-    return load_config(**{**settings, **overrides})
-
-
-@pytest.fixture
-def make_peer(tmp_path: Path) -> Iterator[PeerFactory]:
-    """Builds learning units named after their work directory (and peer id) under tmp_path."""
-    logs: list[MetricsLog] = []
-
-    def factory(
-        name: str,
-        group: FakeGroup,
-        records: FakeRecords | None = None,
-        served: SwarmState | None = None,
-        **overrides: Any,
-    ) -> Peer:
-        work_dir = tmp_path / name
-        config = make_config(work_dir, **overrides)
-        loaded = load_model(config.model)  # same seed ⇒ same initial weights on every unit
-        data = load_text_data(config.data, loaded.tokenizer, shard_seed(config.model.seed, name))
-        trained = [param for param in loaded.model.parameters() if param.requires_grad]
-        averager = group.averager(trained * 2 if config.outer.sync_momentum else trained)
-        state_server, records = FakeStateServer(served), records if records is not None else FakeRecords()
-        metrics = MetricsLog(work_dir / "metrics.jsonl")
-        logs.append(metrics)
-        unit = LearningUnit(
-            config, loaded, data, cast(Any, averager), cast(Any, state_server), cast(Any, records), name, metrics
-        )
-        return Peer(unit, averager, state_server, records, data.train_batches(), work_dir)
-
-    yield factory
-    for log in logs:
-        log.close()
-
-
-# ------------------------------------------------------------------- the steps of LearningUnit.run, one by one
-def inner_step(peer: Peer) -> float:
-    """One inner step; returns its compute seconds."""
-    return peer.unit.train_step(peer.batches).seconds
-
-
-def poll(peer: Peer) -> bool:
-    return peer.unit.poll_round() is not None
-
-
-def maybe_begin(peer: Peer) -> bool:
-    return peer.unit.maybe_begin_round()
-
-
-def train_until_round(peer: Peer) -> float:
-    """Inner steps until the unit begins its next round (it must have none in flight); returns their compute
-    seconds."""
-    assert peer.unit.sent is None
-    seconds = sum(inner_step(peer) for _ in range(peer.unit.config.outer.inner_steps))
-    assert maybe_begin(peer)
-    return seconds
+from p2p_diloco.unit import JoinError
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -152,8 +59,8 @@ def assert_round_changed_nothing(
     assert_all_equal(unit.global_params, phi)
     assert_all_equal(unit.momentum, momentum)
     assert_all_equal(unit.trainer.local_parameters(), theta)
-    assert unit.outer_round == 0 and unit.sent is None
-    assert unit.tokens_since_round == 2 * TOKENS_PER_STEP
+    assert unit.outer_round == 0 and unit.fragments[0].sent is None
+    assert unit.fragments[0].tokens_since_round == 2 * TOKENS_PER_STEP
 
 
 def saved_ledger(peer: Peer) -> GoodputLedger:
@@ -199,7 +106,7 @@ def test_h1_lr1_no_momentum_one_group_equals_synchronous_data_parallel(make_peer
             assert_all_close(peer.unit.momentum, [-(ua + ub) / 2 for ua, ub in zip(*inner_updates)])
             assert_all_equal(peer.unit.trainer.local_parameters(), peer.unit.global_params)  # no overlap: θ = φ
             assert peer.unit.outer_round == round_index + 1
-            assert peer.unit.tokens_since_round == 0
+            assert peer.unit.fragments[0].tokens_since_round == 0
         assert_all_equal(a.unit.global_params, b.unit.global_params)
     assert [begun.weight for begun in a.averager.begun] == [TOKENS_PER_STEP] * 3
 
@@ -233,7 +140,7 @@ def test_late_outcome_keeps_the_overlapped_inner_steps(make_peer: PeerFactory) -
     assert differs(a.unit.trainer.local_parameters(), a.unit.global_params)  # the overlapped steps were kept
     assert_all_equal(b.unit.trainer.local_parameters(), b.unit.global_params)  # b had no overlap
     assert a.events("outer_round")[-1]["overlap_steps"] == overlap
-    assert a.unit.steps_since_round == 0  # the next round starts H steps after this one ended
+    assert a.unit.fragments[0].steps_since_round == 0  # the next round starts H steps after this one ended
 
 
 def test_failed_round_keeps_phi_and_round_and_carries_its_tokens(make_peer: PeerFactory) -> None:
@@ -257,7 +164,7 @@ def test_failed_round_keeps_phi_and_round_and_carries_its_tokens(make_peer: Peer
     expected_phi, expected_momentum = outer_step(phi0, momentum0, pseudo_gradient(phi0, theta4), a.unit.hyper)
     assert_all_close(a.unit.global_params, expected_phi)
     assert_all_close(a.unit.momentum, expected_momentum)
-    assert a.unit.outer_round == 1 and a.unit.tokens_since_round == 0
+    assert a.unit.outer_round == 1 and a.unit.fragments[0].tokens_since_round == 0
 
 
 def test_non_finite_average_is_rejected_like_a_failed_round(make_peer: PeerFactory) -> None:
@@ -294,9 +201,10 @@ def test_a_diverged_unit_never_sends_a_non_finite_proposal(make_peer: PeerFactor
 def test_round_after_merge_is_the_largest_member_round_plus_one(make_peer: PeerFactory) -> None:
     group = FakeGroup()
     a, b = make_peer("a", group), make_peer("b", group)
-    a.unit.outer_round, b.unit.outer_round = 3, 5
+    a.unit.set_fragment_rounds([3])
+    b.unit.set_fragment_rounds([5])
     b.unit.global_params = [tensor + 0.01 for tensor in b.unit.global_params]  # b's φ drifted from a's
-    drift = probe_drift([consensus_probe(peer.unit.global_params, peer.unit.probe_indices) for peer in (a, b)])
+    drift = probe_drift([consensus_probe(peer.unit.global_params, peer.unit.probe_indices[0]) for peer in (a, b)])
     assert drift > 0
     train_until_round(a)
     train_until_round(b)
@@ -314,7 +222,7 @@ def test_run_begins_a_round_every_h_steps(make_peer: PeerFactory) -> None:
     a.unit.run(threading.Event())
     # instant solo rounds: begun after steps 2 and 5, merged at the next poll (steps 3 and 6); the step that
     # overlapped a round counts in the next round's tokens but the next round starts H steps after the merge
-    assert a.unit.inner_step == 6 and a.unit.outer_round == 2 and a.unit.sent is None
+    assert a.unit.inner_step == 6 and a.unit.outer_round == 2 and a.unit.fragments[0].sent is None
     assert [begun.weight for begun in a.averager.begun] == [2 * TOKENS_PER_STEP, 3 * TOKENS_PER_STEP]
     assert [event["overlap_steps"] for event in a.events("outer_round")] == [1, 1]
     assert a.records.progress["a"].inner_step >= 1
@@ -326,7 +234,7 @@ def test_join_adopts_the_swarm_state_of_a_later_round(make_peer: PeerFactory) ->
     generator = torch.Generator().manual_seed(1)
     phi = [torch.randn(t.shape, generator=generator) * 0.02 for t in template.global_params]
     momentum = [torch.randn(t.shape, generator=generator) * 1e-3 for t in template.global_params]
-    served = SwarmState(phi, momentum, outer_round=7, inner_step=140, tokens=9000)
+    served = SwarmState(phi, momentum, fragment_rounds=[7], inner_step=140, tokens=9000)
     records = FakeRecords({"donor": progress("donor", 7, template.loaded.fingerprint)})
     a = make_peer("a", FakeGroup(), records=records, served=served)
     assert a.unit.join() == "swarm"
@@ -354,10 +262,10 @@ def test_join_resumes_a_checkpoint_newer_than_the_swarm(make_peer: PeerFactory) 
     train_until_round(first)
     assert poll(first)
     inner_step(first)  # θ ≠ φ in the checkpoint
-    first.unit.outer_round = 5
+    first.unit.set_fragment_rounds([5])
     first.unit.save()
     records = FakeRecords({"donor": progress("donor", 3, first.unit.loaded.fingerprint)})
-    served = SwarmState(clone_all(first.unit.global_params), clone_all(first.unit.momentum), 3, 0, 0)
+    served = SwarmState(clone_all(first.unit.global_params), clone_all(first.unit.momentum), [3], 0, 0)
     again = make_peer("a", FakeGroup(), records=records, served=served)
     assert again.unit.join() == "checkpoint"
     assert again.state_server.downloads == 0
@@ -369,9 +277,9 @@ def test_join_resumes_a_checkpoint_newer_than_the_swarm(make_peer: PeerFactory) 
 
 def test_join_prefers_a_swarm_ahead_of_the_checkpoint(make_peer: PeerFactory) -> None:
     first = make_peer("a", FakeGroup())
-    first.unit.outer_round = 2
+    first.unit.set_fragment_rounds([2])
     first.unit.save()
-    served = SwarmState(clone_all(first.unit.global_params), clone_all(first.unit.momentum), 4, 0, 0)
+    served = SwarmState(clone_all(first.unit.global_params), clone_all(first.unit.momentum), [4], 0, 0)
     records = FakeRecords({"donor": progress("donor", 4, first.unit.loaded.fingerprint)})
     again = make_peer("a", FakeGroup(), records=records, served=served)
     assert again.unit.join() == "swarm" and again.unit.outer_round == 4
@@ -406,7 +314,7 @@ def test_finish_hands_the_last_steps_to_a_final_round_then_checkpoints_and_expor
     a.unit.finish()
 
     final = a.averager.begun[-1]  # the one-step progress went into a last round (alone here: quorum 1)
-    assert a.unit.outer_round == 2 and final.weight == TOKENS_PER_STEP and a.unit.sent is None
+    assert a.unit.outer_round == 2 and final.weight == TOKENS_PER_STEP and a.unit.fragments[0].sent is None
     assert differs(a.unit.global_params, phi_before)
     checkpoint = load_checkpoint(a.unit.checkpoint_path)
     assert checkpoint is not None
@@ -430,9 +338,9 @@ def test_finish_drops_a_round_that_does_not_end_in_time(make_peer: PeerFactory) 
     a, _absent = make_peer("a", group), make_peer("b", group)
     seconds = train_until_round(a)
     a.unit.finish()
-    assert a.averager.cancelled == 1 and not a.averager.in_flight and a.unit.sent is None
-    assert a.unit.tokens_since_round == 2 * TOKENS_PER_STEP
-    assert a.unit.compute_since_round == pytest.approx(seconds)
+    assert a.averager.cancelled == 1 and not a.averager.in_flight and a.unit.fragments[0].sent is None
+    assert a.unit.fragments[0].tokens_since_round == 2 * TOKENS_PER_STEP
+    assert a.unit.fragments[0].compute_since_round == pytest.approx(seconds)
     stop = a.events("stop")[-1]
     assert stop["useful_compute_s"] == 0.0 and stop["goodput"] == 0.0
     assert stop["compute_s"] == pytest.approx(seconds) and saved_ledger(a).compute_s == stop["compute_s"]
@@ -444,13 +352,13 @@ def test_finish_drops_a_round_that_does_not_end_in_time(make_peer: PeerFactory) 
 def test_a_merged_round_makes_the_compute_of_its_steps_useful(make_peer: PeerFactory) -> None:
     a = make_peer("a", FakeGroup())
     seconds = train_until_round(a)
-    assert a.unit.ledger.useful_compute_s == 0.0 and a.unit.compute_since_round == 0.0
+    assert a.unit.ledger.useful_compute_s == 0.0 and a.unit.fragments[0].compute_since_round == 0.0
     overlap = inner_step(a)  # trained while the round was in flight: it belongs to the next round
     assert poll(a)
     ledger = a.unit.ledger
     assert ledger.useful_compute_s == pytest.approx(seconds) and ledger.useful_tokens == 2 * TOKENS_PER_STEP
     assert ledger.compute_s == pytest.approx(seconds + overlap) and ledger.tokens == 3 * TOKENS_PER_STEP
-    assert a.unit.compute_since_round == pytest.approx(overlap)
+    assert a.unit.fragments[0].compute_since_round == pytest.approx(overlap)
     assert saved_ledger(a) == ledger  # saved once per merged round
     event = a.events("outer_round")[-1]
     assert event["useful_compute_s"] == ledger.useful_compute_s and event["useful_tokens"] == 2 * TOKENS_PER_STEP
@@ -464,7 +372,7 @@ def test_a_failed_round_carries_its_compute_into_the_next_merge(make_peer: PeerF
     a = make_peer("a", group)
     first = train_until_round(a)
     assert poll(a)
-    assert a.unit.ledger.useful_compute_s == 0.0 and a.unit.compute_since_round == pytest.approx(first)
+    assert a.unit.ledger.useful_compute_s == 0.0 and a.unit.fragments[0].compute_since_round == pytest.approx(first)
     group.fail = False
     second = train_until_round(a)
     assert poll(a)
@@ -479,8 +387,8 @@ def test_a_local_reset_discards_the_compute_of_its_steps(make_peer: PeerFactory)
     poisoned = a.unit.trainer.local_parameters()
     poisoned[0].view(-1)[0] = float("nan")
     a.unit.trainer.load_parameters(poisoned)
-    assert maybe_begin(a) and a.events("local_reset") and a.unit.sent is None
-    assert a.unit.compute_since_round == 0.0
+    assert maybe_begin(a) and a.events("local_reset") and a.unit.fragments[0].sent is None
+    assert a.unit.fragments[0].compute_since_round == 0.0
     kept = train_until_round(a)
     assert poll(a)
     assert a.unit.ledger.useful_compute_s == pytest.approx(kept)

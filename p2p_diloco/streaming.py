@@ -1,0 +1,133 @@
+"""One streaming fragment's outer rounds: what a unit sends for it and how the average comes back (torch only).
+
+Two payloads, chosen by the codec:
+
+* ``fp32`` — the *proposal*: the outer step the unit would take alone, ``(φ'_p, m'_p) = OuterOpt(φ_p, m_p, Δ_p)``
+  (m'_p only with ``sync_momentum``). Members average proposals, which also averages their φ_p and m_p: every round
+  pulls the members' global parameters together (see diloco.py).
+* ``fp16`` / ``int8`` — the pseudo-gradient Δ_p, compressed on the wire. Proposals cannot be compressed (φ itself
+  would be quantized every round), so each member applies the outer step to the averaged Δ_p with its own φ_p and
+  m_p. With error feedback, what the codec dropped from a unit's Δ_p is added to its next Δ_p. Members' φ_p then drift
+  apart by the codec's error every round (each member adds the reply to its own uncompressed part; measured with
+  int8: a relative distance of 2.8e-2 of the update between two members, fp16: 3.6e-4), and nothing in a Δ round
+  pulls them back (nor after a unit averaged alone), so a consensus round re-averages φ_p in fp32
+  (:func:`consensus_payload`, :func:`consensus_correction`) every few rounds and after any round whose members'
+  probes of φ_p differed by more than a tolerance. The momenta are not re-averaged: their disagreement stays
+  bounded because each round multiplies it by μ < 1.
+
+Merge rule (both payloads): when fragment p's average arrives τ inner steps after it was sent (τ is whatever the
+network took: the inner loop never waits), φ_p ← merged value and θ_p ← φ_p + (θ_p,now − θ_p,sent): the τ overlapped
+steps' progress on fragment p is kept; other fragments are untouched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from p2p_diloco.diloco import OuterHyperparams, outer_step, pseudo_gradient
+from p2p_diloco.fragments import Fragment, copies, first_round_offset, views
+
+if TYPE_CHECKING:
+    from p2p_diloco.compression import ErrorFeedback
+
+Tensors = list[torch.Tensor]
+Roundtrip = Callable[[torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class SentRound:
+    """A fragment round in flight: θ_p when it was sent and what it carries."""
+
+    local_at_send: Tensors
+    momentum_proposal: Tensors  # proposal payload without sync_momentum: the unit's own m'_p
+    tokens: int
+    compute_s: float
+    inner_step: int
+
+
+@dataclass
+class FragmentRounds:
+    """Round bookkeeping of one fragment: its outer round, the steps, tokens and compute since its last round, the
+    round in flight, and the error-feedback residual (lossy codecs)."""
+
+    fragment: Fragment
+    share: float  # the fragment's fraction of all trained elements
+    compressed: bool  # True: Δ payload (lossy codec); False: fp32 proposal payload
+    sync_momentum: bool
+    error_feedback: ErrorFeedback | None = None  # lossy codecs: what the codec dropped rides on the next Δ_p
+    roundtrip: Roundtrip | None = None  # what receivers decode of a sent tensor (needed with error_feedback)
+    outer_round: int = 0
+    steps_since_round: int = 0
+    tokens_since_round: int = 0
+    compute_since_round: float = 0.0
+    sent: SentRound | None = None
+
+    def restart_schedule(self, count: int, inner_steps: int) -> None:
+        """Forget the counters; the first round comes after the fragment's staggered offset."""
+        self.steps_since_round = inner_steps - first_round_offset(self.fragment.number, count, inner_steps)
+        self.tokens_since_round, self.compute_since_round = 0, 0.0
+
+    def record_step(self, tokens: int, seconds: float) -> None:
+        self.steps_since_round += 1
+        self.tokens_since_round += tokens
+        self.compute_since_round += seconds
+
+    def carry(self, sent: SentRound) -> None:
+        """A round that did not merge: its tokens and compute go into the next round of this fragment."""
+        self.tokens_since_round += sent.tokens
+        self.compute_since_round += sent.compute_s
+
+    def payload(self, global_params: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor],
+                local_at_send: Tensors, hyper: OuterHyperparams) -> tuple[Tensors, Tensors]:  # fmt: skip
+        """The tensors to average for this fragment, and the unit's own momentum proposal (proposal payload)."""
+        phi, moment = copies(global_params, self.fragment), copies(momentum, self.fragment)
+        delta = pseudo_gradient(phi, local_at_send)
+        if self.compressed:
+            return self._with_error_feedback(delta), []
+        params_proposal, momentum_proposal = outer_step(phi, moment, delta, hyper)
+        return params_proposal + (momentum_proposal if self.sync_momentum else []), momentum_proposal
+
+    def _with_error_feedback(self, delta: Tensors) -> Tensors:
+        if self.error_feedback is None or self.roundtrip is None:
+            return delta
+        compensated = self.error_feedback.compensate(delta)
+        self.error_feedback.update(compensated, [self.roundtrip(tensor) for tensor in compensated])
+        return compensated
+
+    def merged(self, averaged: Tensors, global_params: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor],
+               sent: SentRound, hyper: OuterHyperparams) -> tuple[Tensors, Tensors]:  # fmt: skip
+        """The fragment's new (φ_p, m_p) from the group's average of the payloads."""
+        if self.compressed:
+            return outer_step(copies(global_params, self.fragment), copies(momentum, self.fragment), averaged, hyper)
+        count = len(self.fragment.pieces)
+        return averaged[:count], (averaged[count:] if self.sync_momentum else sent.momentum_proposal)
+
+
+def consensus_size(fragments: Sequence[Fragment]) -> int:
+    """Elements of a consensus payload: the largest fragment's φ_p."""
+    return max(fragment.numel for fragment in fragments)
+
+
+def consensus_payload(global_params: Sequence[torch.Tensor], fragment: Fragment, size: int) -> torch.Tensor:
+    """φ_p flattened into one fp32 vector zero-padded to ``size`` (:func:`consensus_size`), so one averager serves every
+    fragment's consensus rounds. Raises ValueError if φ_p does not fit."""
+    flat = torch.cat([tensor.reshape(-1) for tensor in copies(global_params, fragment)])
+    if flat.numel() > size:
+        raise ValueError(f"fragment {fragment.number} needs {flat.numel()} elements, the payload holds {size}")
+    return torch.nn.functional.pad(flat, (0, size - flat.numel()))
+
+
+def consensus_correction(averaged: torch.Tensor, sent: torch.Tensor, fragment: Fragment,
+                         template: Sequence[torch.Tensor]) -> Tensors:  # fmt: skip
+    """φ_p's correction, shaped like the fragment's pieces: group mean minus what this unit sent. Added to the current
+    φ_p and θ_p, it moves the unit to the group's mean without undoing rounds merged meanwhile."""
+    difference = averaged - sent
+    corrections, offset = [], 0
+    for view in views(template, fragment):
+        corrections.append(difference[offset : offset + view.numel()].reshape(view.shape).clone())
+        offset += view.numel()
+    return corrections

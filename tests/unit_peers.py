@@ -1,0 +1,131 @@
+"""Learning units wired to in-memory network fakes (tests/fakes.py), with the real tiny model, corpus, inner trainer,
+checkpoints and metrics log: the ``make_peer`` fixture (registered in conftest.py) and the steps of LearningUnit.run,
+one by one."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+
+import pytest
+import torch
+from fakes import FakeAverager, FakeGroup, FakeRecords, FakeStateServer
+
+from p2p_diloco.config import PeerConfig, load_config
+from p2p_diloco.data import load_text_data, shard_seed
+from p2p_diloco.fragments import partition, views
+from p2p_diloco.metrics import MetricsLog
+from p2p_diloco.model import load_model
+from p2p_diloco.state_sync import SwarmState
+from p2p_diloco.streaming import consensus_size
+from p2p_diloco.unit import LearningUnit
+
+ASSETS = Path(__file__).resolve().parents[1] / "p2p_diloco" / "assets"
+SEQ_LEN, BATCH_SIZE = 32, 2
+TOKENS_PER_STEP = SEQ_LEN * BATCH_SIZE
+SYNC_DATA_PARALLEL = dict(
+    outer__inner_steps=1, outer__outer_lr=1.0, outer__outer_momentum=0.0, outer__sync_momentum=True
+)
+
+
+@dataclass
+class Peer:
+    """A learning unit with its fakes and its training batch stream."""
+
+    unit: LearningUnit
+    averager: FakeAverager
+    state_server: FakeStateServer
+    records: FakeRecords
+    batches: Iterator[torch.Tensor]
+    work_dir: Path
+    averagers: list[FakeAverager]  # one per fragment; ``averager`` is the first
+    consensus: FakeAverager | None
+
+    def events(self, name: str) -> list[dict[str, Any]]:
+        lines = (self.work_dir / "metrics.jsonl").read_text().splitlines()
+        return [event for event in map(json.loads, lines) if event["event"] == name]
+
+
+PeerFactory = Callable[..., Peer]
+
+
+def make_config(work_dir: Path, **overrides: Any) -> PeerConfig:
+    settings: dict[str, Any] = dict(
+        model__model_config_path=str(ASSETS / "tiny-gpt2"),
+        model__device="cpu",
+        data__dataset=str(ASSETS / "corpus"),
+        data__seq_len=SEQ_LEN,
+        data__batch_size=BATCH_SIZE,
+        data__eval_batches=1,
+        inner__warmup_steps=0,
+        outer__inner_steps=2,
+        run__work_dir=str(work_dir),
+        run__progress=False,
+    )
+    return load_config(**{**settings, **overrides})
+
+
+@pytest.fixture
+def make_peer(tmp_path: Path) -> Iterator[PeerFactory]:
+    """Builds learning units named after their work directory (and peer id) under tmp_path."""
+    logs: list[MetricsLog] = []
+
+    def factory(
+        name: str,
+        group: FakeGroup | Sequence[FakeGroup],
+        records: FakeRecords | None = None,
+        served: SwarmState | None = None,
+        consensus_group: FakeGroup | None = None,
+        **overrides: Any,
+    ) -> Peer:
+        """``group``: one per streaming fragment (a single group for P = 1)."""
+        work_dir = tmp_path / name
+        config = make_config(work_dir, **overrides)
+        loaded = load_model(config.model)  # same seed ⇒ same initial weights on every unit
+        data = load_text_data(config.data, loaded.tokenizer, shard_seed(config.model.seed, name))
+        trained = [param for param in loaded.model.parameters() if param.requires_grad]
+        groups = [group] if isinstance(group, FakeGroup) else list(group)
+        fragments = partition([param.shape for param in trained], config.outer.fragments)
+        copies = 2 if config.outer.codec == "fp32" and config.outer.sync_momentum else 1
+        averagers = [group.averager(views(trained, f) * copies) for group, f in zip(groups, fragments, strict=True)]
+        consensus = None
+        if consensus_group is not None:
+            consensus = consensus_group.averager([torch.zeros(consensus_size(fragments))])
+        state_server, records = FakeStateServer(served), records if records is not None else FakeRecords()
+        metrics = MetricsLog(work_dir / "metrics.jsonl")
+        logs.append(metrics)
+        unit = LearningUnit(
+            config, loaded, data, cast(Any, averagers), cast(Any, state_server), cast(Any, records), name, metrics,
+            cast(Any, consensus),
+        )  # fmt: skip
+        return Peer(unit, averagers[0], state_server, records, data.train_batches(), work_dir, averagers, consensus)
+
+    yield factory
+    for log in logs:
+        log.close()
+
+
+# ------------------------------------------------------------------- the steps of LearningUnit.run, one by one
+def inner_step(peer: Peer) -> float:
+    """One inner step; returns its compute seconds."""
+    return peer.unit.train_step(peer.batches).seconds
+
+
+def poll(peer: Peer) -> bool:
+    return peer.unit.poll_round() is not None
+
+
+def maybe_begin(peer: Peer) -> bool:
+    return peer.unit.maybe_begin_round()
+
+
+def train_until_round(peer: Peer) -> float:
+    """Inner steps until the unit begins its next round (it must have none in flight); returns their compute
+    seconds."""
+    assert peer.unit.fragments[0].sent is None
+    seconds = sum(inner_step(peer) for _ in range(peer.unit.config.outer.inner_steps))
+    assert maybe_begin(peer)
+    return seconds
