@@ -17,7 +17,6 @@ from p2p_diloco.chaos.benchmark import METHODS, ChaosConfig, run_chaos_benchmark
 from p2p_diloco.chaos.namespaces import NamespaceError
 from p2p_diloco.chaos.schedule import FaultRates
 from p2p_diloco.chaos.swarm_target import TrainingSetup
-from p2p_diloco.demo import CORPUS, TINY_MODEL
 from p2p_diloco.metrics import configure_logging
 
 
@@ -78,13 +77,7 @@ def _config(args: argparse.Namespace) -> ChaosConfig:
             bootstrap_crash_at_s=args.bootstrap_crash_at_s,
             bootstrap_down_s=args.bootstrap_down_s,
         ),
-        setup=TrainingSetup(
-            model_config=TINY_MODEL,
-            dataset=CORPUS,
-            inner_steps=args.inner_steps,
-            eval_every_steps=args.eval_every_steps,
-            seed=args.seed,
-        ),
+        setup=TrainingSetup.shipped(args.inner_steps, args.eval_every_steps, args.seed),
         out_dir=args.out,
         methods=tuple(args.methods),
         start_after_s=args.start_after_s,

@@ -27,7 +27,7 @@ from p2p_diloco.chaos.gang import GangTarget
 from p2p_diloco.chaos.harness import run_schedule
 from p2p_diloco.chaos.namespaces import Namespaces
 from p2p_diloco.chaos.network import ChaosNetwork, Loopback
-from p2p_diloco.chaos.report import equal_tokens, loss_at_tokens, write_report
+from p2p_diloco.chaos.report import command_note, equal_tokens, loss_at_tokens, write_report
 from p2p_diloco.chaos.results import MethodResult
 from p2p_diloco.chaos.schedule import Fault, FaultRates, fraction_with_any_unit_down, poisson_schedule
 from p2p_diloco.chaos.swarm_target import SwarmTarget, TrainingSetup
@@ -83,17 +83,22 @@ def _target(method: str, config: ChaosConfig, network: ChaosNetwork, log: Metric
     )  # fmt: skip
 
 
-def _rebuilt_result(method: str, config: ChaosConfig, log: MetricsLog) -> MethodResult:
-    """``method``'s result from the logs of a finished run (its start time is read from the schedule log)."""
-    starts = [e["time"] for e in read_events(log.path) if e["event"] == "method_start" and e["method"] == method]
+def rebuilt_result(target: ChaosTarget, schedule_log: Path) -> MethodResult:
+    """``target``'s result from the logs of a finished run of it (its start time is read from the schedule log).
+    Raises ValueError when that log has no run of ``target.name``."""
+    starts = [
+        event["time"]
+        for event in read_events(schedule_log)
+        if event["event"] == "method_start" and event["method"] == target.name
+    ]
     if not starts:
-        raise ValueError(f"{log.path} has no run of method {method!r}")
-    target = _target(method, config, Loopback(), log)
+        raise ValueError(f"{schedule_log} has no run of method {target.name!r}")
     target.started_at = starts[-1]
     return target.result()
 
 
-def _environment() -> dict[str, Any]:
+def environment() -> dict[str, Any]:
+    """Versions and machine of this run, for a report."""
     return {
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -112,7 +117,7 @@ def run_chaos_benchmark(config: ChaosConfig, command: list[str], report_only: bo
     results: list[MethodResult] = []
     with MetricsLog(config.out_dir / "schedule.jsonl") as log:
         if report_only:
-            results = [_rebuilt_result(method, config, log) for method in config.methods]
+            results = [rebuilt_result(_target(method, config, Loopback(), log), log.path) for method in config.methods]
         else:
             nodes = ["bootstrap", *(f"unit{unit}" for unit in range(config.units))]
             network: ChaosNetwork = Namespaces(nodes) if config.use_namespaces else Loopback()
@@ -125,7 +130,7 @@ def run_chaos_benchmark(config: ChaosConfig, command: list[str], report_only: bo
                 network.close()
     header = {
         "command": " ".join(command),
-        "environment": _environment(),
+        "environment": environment(),
         "config": {
             "units": config.units,
             "budget_s": config.budget_s,
@@ -139,7 +144,7 @@ def run_chaos_benchmark(config: ChaosConfig, command: list[str], report_only: bo
         "schedule": [fault.to_dict() for fault in schedule],
         "fraction_with_a_unit_down": fraction_with_any_unit_down(schedule, config.budget_s),
     }
-    notes = _targets_md(results, header["fraction_with_a_unit_down"]) + "\n\n" + _command_note(command)
+    notes = _targets_md(results, header["fraction_with_a_unit_down"]) + "\n\n" + command_note(command)
     markdown = write_report(config.out_dir, results, header, notes_md=notes)
     print(markdown)
     return 0
@@ -168,7 +173,3 @@ def _targets_md(results: list[MethodResult], down_fraction: float) -> str:
             )
     lines += [f"- ours: {note}" for note in ours.notes]
     return "\n".join(lines)
-
-
-def _command_note(command: list[str]) -> str:
-    return f"Reproduce with:\n\n```\n{' '.join(command)}\n```"

@@ -4,15 +4,17 @@ against wall time, and goodput per method)."""
 from __future__ import annotations
 
 import json
+import shlex
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
+from matplotlib.axes import Axes  # noqa: E402
 
 from p2p_diloco.chaos.results import MethodResult  # noqa: E402
 
@@ -31,6 +33,11 @@ def loss_at_tokens(result: MethodResult, tokens: int) -> float | None:
         return None
     xs, ys = zip(*points)
     return float(np.interp(tokens, xs, ys))
+
+
+def command_note(command: list[str]) -> str:
+    """How to reproduce a run, for a markdown report (arguments quoted for a shell where needed)."""
+    return f"Reproduce with:\n\n```\n{shlex.join(command)}\n```"
 
 
 def method_summary(result: MethodResult, tokens: int | None) -> dict[str, Any]:
@@ -69,16 +76,21 @@ def markdown_table(summaries: list[dict[str, Any]], tokens: int | None) -> str:
     return "\n".join(lines)
 
 
+def plot_eval_curves(axes: Axes, results: list[MethodResult], x: Literal["wall_s", "tokens"] = "wall_s") -> None:
+    """One eval-loss line per method (a method without evals has none) against wall time or training tokens."""
+    for result in results:
+        points = sorted((getattr(point, x), point.eval_loss) for point in result.evals)
+        if points:
+            axes.plot(*zip(*points), marker=".", linewidth=1, label=result.method)
+    axes.set_xlabel("wall time since start (s)" if x == "wall_s" else "training tokens in the consensus model")
+    axes.set_ylabel("held-out eval loss of the consensus model")
+    axes.legend()
+    axes.grid(alpha=0.3)
+
+
 def plot(results: list[MethodResult], path: Path) -> None:
     figure, (losses, goodputs) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [2, 1]})
-    for result in results:
-        points = sorted((point.wall_s, point.eval_loss) for point in result.evals)
-        if points:
-            losses.plot(*zip(*points), marker=".", linewidth=1, label=result.method)
-    losses.set_xlabel("wall time since start (s)")
-    losses.set_ylabel("held-out eval loss of the consensus model")
-    losses.legend()
-    losses.grid(alpha=0.3)
+    plot_eval_curves(losses, results)
     goodputs.bar([result.method for result in results], [100 * result.goodput for result in results])
     goodputs.set_ylabel("goodput (%)")
     goodputs.set_ylim(0, 100)

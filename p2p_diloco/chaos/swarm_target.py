@@ -18,7 +18,15 @@ from pathlib import Path
 from p2p_diloco.chaos.faults import freeze_tree, kill_tree, thaw
 from p2p_diloco.chaos.network import ChaosNetwork
 from p2p_diloco.chaos.results import EvalPoint, MethodResult, UnitResult
-from p2p_diloco.demo import bootstrap_command, peer_command, spawn, start_bootstrap, stop_process_groups
+from p2p_diloco.demo import (
+    CORPUS,
+    TINY_MODEL,
+    bootstrap_command,
+    peer_command,
+    spawn,
+    start_bootstrap,
+    stop_process_groups,
+)
 from p2p_diloco.goodput import LEDGER_FILE, GoodputLedger
 from p2p_diloco.metrics import MetricsLog, read_events
 
@@ -40,6 +48,11 @@ class TrainingSetup:
     eval_every_steps: int = 100
     eval_batches: int = 8
     seed: int = 0
+
+    @classmethod
+    def shipped(cls, inner_steps: int, eval_every_steps: int, seed: int) -> TrainingSetup:
+        """The shipped tiny model and corpus, with the given cadences and seed (other fields at their defaults)."""
+        return cls(TINY_MODEL, CORPUS, inner_steps=inner_steps, eval_every_steps=eval_every_steps, seed=seed)
 
     def join_flags(self) -> list[str]:
         return [

@@ -1,0 +1,272 @@
+"""The WAN report's arithmetic on hand-made logs and link samples (no processes), and the script's refusal of bad
+settings."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from p2p_diloco.chaos.results import EvalPoint, MethodResult, UnitResult
+from p2p_diloco.wan.report import (
+    LinkUse,
+    StepSpan,
+    UnitWan,
+    add_deeper_target,
+    compare,
+    comparison_tokens,
+    deeper_target_loss,
+    default_target_loss,
+    eval_bracket,
+    judge_targets,
+    link_use,
+    method_row,
+    projected_time_to_target,
+    step_span,
+    time_to_target,
+    token_rate,
+    tokens_to_target,
+    write_report,
+)
+
+
+def result(method: str, curve: list[tuple[float, int, float]]) -> MethodResult:
+    evals = [EvalPoint(wall_s, tokens, loss) for wall_s, tokens, loss in curve]
+    return MethodResult(method, 100.0, [UnitResult(0, 1.0, 1.0, 10, 10)], evals, evals[-1].eval_loss if evals else None)
+
+
+def sample(at: float, node: str, tx: int, rx: int) -> dict:
+    return {"time": at, "event": "link_bytes", "node": node, "tx_bytes": tx, "rx_bytes": rx}
+
+
+def test_time_to_target_is_the_first_eval_at_or_below_it_and_the_default_target_is_reached_by_every_method() -> None:
+    fast = result("ours", [(5.0, 0, 6.0), (20.0, 100, 4.5), (30.0, 200, 4.0), (40.0, 300, 4.2)])
+    slow = result("sync-dp", [(200.0, 100, 5.0), (10.0, 0, 6.0)])
+    assert default_target_loss([fast, slow, result("empty", [])]) == 5.0
+    assert time_to_target(fast, 5.0) == 15.0  # counted from its first eval (training, start-up left out)
+    assert time_to_target(fast, 5.0, since_first_eval=False) == 20.0
+    assert time_to_target(slow, 5.0) == 190.0
+    assert time_to_target(fast, 4.0) == 25.0
+    assert time_to_target(slow, 4.9) is None
+    assert default_target_loss([result("empty", [])]) is None
+
+
+def test_a_gang_ranks_span_counts_the_compute_of_every_step_after_its_first_one() -> None:
+    events = [
+        {"time": 100.0 + 2 * step, "event": "step", "step": step, "compute_s": 1.5, "sync_s": 0.5}
+        for step in range(1, 6)
+    ]
+    span = step_span([*reversed(events), {"time": 90.0, "event": "start"}])
+    assert span == StepSpan(inner_steps=5, compute_s=6.0, window_s=8.0)
+    assert span.utilisation == 0.75
+
+
+def test_a_swarm_units_span_uses_its_mean_step_compute_between_its_first_and_last_mark() -> None:
+    marks = [{"time": 10.0 * index, "event": "inner_step", "step": 10 * index, "seconds": 0.5} for index in (1, 2, 3)]
+    stop = {"time": 40.0, "event": "stop", "inner_step": 35, "compute_s": 28.0}
+    span = step_span([*marks, stop])
+    assert span == StepSpan(inner_steps=35, compute_s=0.8 * 20, window_s=20.0)
+    assert span.utilisation == pytest.approx(0.8)
+    # without a stop event (the unit was killed): its last mark's step and the mean of the marks' seconds
+    assert step_span(marks) == StepSpan(inner_steps=30, compute_s=0.5 * 20, window_s=20.0)
+    assert step_span([marks[0]]) == StepSpan(30 // 3, 0.0, 0.0)
+    assert step_span([marks[0]]).utilisation is None
+    assert step_span([{"time": 1.0, "event": "join"}]) is None
+
+
+def test_eval_bracket_names_the_evals_that_the_loss_at_equal_tokens_is_interpolated_between() -> None:
+    curve = result("ours", [(1.0, 0, 6.0), (2.0, 500, 5.0), (3.0, 900, 4.0)])
+    assert eval_bracket(curve, 100) == (0, 500)
+    assert eval_bracket(curve, 500) == (500, 500)
+    assert eval_bracket(curve, 2_000) == (900, 900)
+    assert eval_bracket(result("empty", []), 100) is None
+
+
+def test_link_use_counts_the_whole_sampled_span_and_the_peak_over_one_second_windows() -> None:
+    samples = [sample(10.0, "unit0", 0, 0), sample(11.0, "unit0", 1_000, 50), sample(13.0, "unit0", 1_500, 4_050)]
+    samples.append(sample(10.0, "unit1", 7, 7))
+    assert link_use(samples, "unit0") == LinkUse(1_500, 4_050, 16_000.0)
+    assert link_use(samples, "unit1") == LinkUse(0, 0, None)
+    assert link_use(samples, "unit2") is None
+
+
+def test_rows_report_bytes_per_step_utilisation_and_every_ratio_to_sync_dp() -> None:
+    dp = result("sync-dp", [(0.0, 0, 6.0), (100.0, 1_000, 5.0), (200.0, 2_000, 4.8)])
+    ours = result("ours-streaming", [(0.0, 0, 6.0), (4.0, 1_000, 5.05), (5.0, 3_000, 4.0)])
+    tokens = 2_000
+    dp_units = [
+        UnitWan(0, StepSpan(10, 8.0, 10.0), LinkUse(40_000_000, 40_000_000, 2e7)),
+        UnitWan(1, StepSpan(10, 9.0, 10.0), LinkUse(38_000_000, 41_000_000, 1.9e7)),
+    ]
+    ours_units = [
+        UnitWan(0, StepSpan(100, 9.7, 10.0), LinkUse(2_000, 1_000, 3e5)),
+        UnitWan(1, StepSpan(200, 9.9, 10.0), LinkUse(3_000, 5_000, 1e5)),
+        UnitWan(2, None, None),
+    ]
+    rows = [method_row(dp, dp_units, 5.0, tokens), method_row(ours, ours_units, 5.0, tokens)]
+    compare(rows)
+    dp_row, ours_row = rows
+    assert dp_row["tx_bytes_per_step"] == 4_000_000 and dp_row["rx_bytes_per_step"] == 4_100_000
+    assert dp_row["utilisation_min"] == 0.8 and dp_row["utilisation_median"] == pytest.approx(0.85)
+    assert ours_row["tx_bytes_per_step"] == 20.0 and ours_row["rx_bytes_per_step"] == 25.0
+    assert ours_row["inner_steps"] == 300 and ours_row["peak_bps"] == 3e5
+    assert ours_row["time_to_target_s"] == 5.0 and ours_row["speedup_vs_sync_dp"] == 20.0
+    assert ours_row["bytes_ratio_vs_sync_dp"] == 200_000.0
+    assert ours_row["eval_loss_at_equal_tokens"] == pytest.approx(4.525)
+    assert ours_row["loss_vs_sync_dp"] == pytest.approx(4.525 / 4.8 - 1)
+    assert ours_row["equal_tokens_between_evals"] == (1_000, 3_000)
+    assert dp_row["equal_tokens_between_evals"] == (2_000, 2_000)
+    assert dp_row["speedup_vs_sync_dp"] == 1.0 and dp_row["loss_vs_sync_dp"] == 0.0
+    assert ours_row["units"][2] == {
+        "unit": 2,
+        "inner_steps": None,
+        "compute_s": None,
+        "window_s": None,
+        "utilisation": None,
+        "tx_bytes": None,
+        "rx_bytes": None,
+        "peak_bps": None,
+        "tx_bytes_per_step": None,
+        "rx_bytes_per_step": None,
+    }
+
+
+def test_without_sync_dp_the_comparisons_are_not_measured() -> None:
+    rows = [method_row(result("ours-p1", [(1.0, 0, 5.0)]), [UnitWan(0, StepSpan(5, 1.0, 2.0), None)], 5.0, 0)]
+    compare(rows)
+    assert (rows[0]["speedup_vs_sync_dp"], rows[0]["bytes_ratio_vs_sync_dp"], rows[0]["loss_vs_sync_dp"]) == (
+        None,
+        None,
+        None,
+    )
+    judged = {judgement["target"]: judgement["met"] for judgement in judge_targets(rows)}
+    assert judged == {
+        "speed-up over sync-dp to the target eval loss": None,
+        "speed-up over sync-dp to the deeper target (sync-dp projected)": None,
+        "compute utilisation (lowest unit)": False,
+        "sync-dp bytes per inner step / ours": None,
+        "eval loss at equal tokens vs data-parallel": None,
+    }
+
+
+def test_targets_are_judged_on_our_methods_only_and_at_their_thresholds() -> None:
+    base = {"speedup_vs_sync_dp": 20.0, "utilisation_min": 0.95, "bytes_ratio_vs_sync_dp": 1000.0}
+    rows = [
+        {"method": "sync-dp", **base, "loss_vs_sync_dp": 0.0},
+        {"method": "ours-p1", **base, "loss_vs_sync_dp": 0.015},
+        {
+            "method": "ours-streaming",
+            "speedup_vs_sync_dp": 19.9,
+            "utilisation_min": 0.949,
+            "bytes_ratio_vs_sync_dp": 999.0,
+            "loss_vs_sync_dp": 0.0151,
+        },
+    ]
+    judgements = judge_targets(rows)
+    assert {judgement["method"] for judgement in judgements} == {"ours-p1", "ours-streaming"}
+    assert [judgement["met"] for judgement in judgements] == [True, None, True, True, True] + [False, None] + [
+        False
+    ] * 3
+    assert judgements[0]["line"].endswith("(target: ≥ 20×): **met**")
+    assert judgements[9]["line"] == (
+        "ours-streaming: eval loss at equal tokens vs data-parallel +1.51% (target: at most +1.5%): **NOT met**"
+    )
+
+
+def test_the_quality_reference_sets_the_equal_tokens_comparison_and_is_not_timed() -> None:
+    wan_dp = result("sync-dp", [(0.0, 0, 8.0), (200.0, 1_000, 7.0)])
+    ours = result("ours-p1", [(0.0, 0, 8.0), (10.0, 50_000, 6.5), (20.0, 100_000, 6.0)])
+    reference = result("dp-reference", [(0.0, 0, 8.0), (30.0, 80_000, 5.6), (60.0, 160_000, 5.0)])
+    results = [wan_dp, ours, reference]
+    assert default_target_loss(results) == 7.0  # the reference's 5.0 does not count: it did not train on the links
+    assert comparison_tokens(results) == 100_000  # sync-dp's 1,000 tokens are left out
+    assert comparison_tokens([wan_dp, ours]) == 1_000
+    rows = [method_row(r, [], 7.0, 100_000) for r in results]
+    compare(rows)
+    assert rows[2]["time_to_target_s"] is None and rows[1]["time_to_target_s"] == 10.0
+    assert rows[1]["speedup_vs_sync_dp"] == 20.0
+    assert rows[1]["loss_vs_sync_dp"] == pytest.approx(6.0 / 5.45 - 1)  # against the reference at 100,000 tokens
+
+
+def test_sync_dp_time_to_a_deeper_target_is_projected_from_its_token_rate_and_the_references_tokens() -> None:
+    wan_dp = result("sync-dp", [(10.0, 0, 8.0), (210.0, 2_000, 7.0)])  # 10 tokens/s on the links
+    ours = result("ours-p1", [(0.0, 0, 8.0), (30.0, 50_000, 6.5), (60.0, 100_000, 6.0)])
+    diloco = result("sync-diloco", [(0.0, 0, 8.0), (50.0, 50_000, 6.2)])
+    reference = result("dp-reference", [(0.0, 0, 8.0), (30.0, 40_000, 6.1), (60.0, 80_000, 5.0)])
+    results = [wan_dp, ours, diloco, reference]
+    assert token_rate(wan_dp) == 10.0 and token_rate(result("one", [(1.0, 0, 8.0)])) is None
+    assert tokens_to_target(reference, 6.2) == 40_000 and tokens_to_target(reference, 4.0) is None
+    assert deeper_target_loss(results) == 6.2  # sync-diloco's best: every method but sync-dp reached it
+    assert deeper_target_loss([wan_dp, ours]) is None  # no reference: nothing to project with
+    assert projected_time_to_target(wan_dp, reference, 6.2) == 4_000.0
+    rows = [method_row(r, [], 7.0, 50_000) for r in results]
+    add_deeper_target(rows, results, 6.2)
+    assert rows[0]["time_to_deeper_target_s"] == 4_000.0 and rows[0]["deeper_target_projected"]
+    assert rows[1]["time_to_deeper_target_s"] == 60.0 and not rows[1]["deeper_target_projected"]
+    assert rows[1]["speedup_deeper_vs_sync_dp"] == pytest.approx(4_000 / 60)
+    assert rows[3]["time_to_deeper_target_s"] is None
+
+
+def write_unit_logs(run_dir: Path, events_by_unit: list[list[dict]], samples: list[dict]) -> None:
+    for unit, events in enumerate(events_by_unit):
+        (run_dir / f"unit{unit}").mkdir(parents=True)
+        (run_dir / f"unit{unit}" / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    (run_dir / "links.jsonl").write_text("".join(json.dumps(sample) + "\n" for sample in samples))
+
+
+def test_write_report_reads_every_methods_logs_and_writes_json_markdown_and_plot(tmp_path: Path) -> None:
+    steps = [
+        {"time": 100.0 + step, "event": "step", "step": step, "compute_s": 0.5, "sync_s": 0.5} for step in (1, 2, 3)
+    ]
+    write_unit_logs(
+        tmp_path / "sync-dp",
+        [steps, steps],
+        [sample(99.0, f"unit{unit}", 0, 0) for unit in (0, 1)] + [sample(104.0, f"unit{u}", 900, 600) for u in (0, 1)],
+    )
+    marks = [{"time": 100.0 + index, "event": "inner_step", "step": 10 * index, "seconds": 0.09} for index in (1, 2)]
+    stop = {"time": 103.0, "event": "stop", "inner_step": 30, "compute_s": 2.7}
+    write_unit_logs(
+        tmp_path / "ours-streaming",
+        [[*marks, stop], [*marks, stop]],
+        [sample(99.0, f"unit{unit}", 0, 0) for unit in (0, 1)] + [sample(104.0, f"unit{u}", 3, 3) for u in (0, 1)],
+    )
+    results = [
+        result("sync-dp", [(1.0, 0, 6.0), (51.0, 100, 5.0)]),
+        result("ours-streaming", [(1.0, 0, 6.0), (3.0, 100, 5.0), (4.0, 200, 4.0)]),
+    ]
+    command = ["python", "scripts/wan.py", "--rate-mbit", "5", "--swarm-flags", "--quorum 2"]
+    markdown = write_report(tmp_path, results, 2, None, command, {})
+    report = json.loads((tmp_path / "results.json").read_text())
+    assert report["command"] == "python scripts/wan.py --rate-mbit 5 --swarm-flags '--quorum 2'"
+    assert report["target_loss"] == 5.0 and report["target_loss_default"] and report["equal_tokens"] == 100
+    dp, ours = report["methods"]
+    assert dp["tx_bytes_per_step"] == 300.0 and ours["tx_bytes_per_step"] == 0.1
+    assert ours["speedup_vs_sync_dp"] == 25.0 and ours["bytes_ratio_vs_sync_dp"] == pytest.approx(3000.0)
+    assert ours["utilisation_min"] == pytest.approx(0.9) and dp["utilisation_min"] == 0.5
+    assert [judgement["met"] for judgement in report["targets"]] == [True, None, False, True, True]
+    assert "| ours-streaming | 60 | 2.0 | 25.00× | 90.0% / 90.0% |" in markdown
+    assert f"```\n{report['command']}\n```" in markdown
+    assert (tmp_path / "results.md").read_text() == markdown
+    assert (tmp_path / "results.png").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--rate-mbit", "0"], "error: rate_mbit must be a positive number"),
+        (["--rate-mbit", "10", "--units", "1"], "error: units must be at least 2"),
+        (["--rate-mbit", "10", "--codec", "int4"], "error: invalid codec"),
+        (["--rate-mbit", "10", "--swarm-flags=--fragments 2"], "error: swarm flags must not set ['--fragments']"),
+        (["--rate-mbit", "10", "--report-only"], "error: "),
+    ],
+)
+def test_wan_script_refuses_bad_settings_in_one_line(tmp_path: Path, flags: list[str], message: str) -> None:
+    script = Path(__file__).resolve().parents[1] / "scripts" / "wan.py"
+    command = [sys.executable, str(script), "--out", str(tmp_path / "out"), *flags]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    lines = done.stderr.strip().splitlines()
+    assert done.returncode == 2 and len(lines) == 1 and lines[0].startswith(message), done.stderr
+    assert not (tmp_path / "out").exists()
