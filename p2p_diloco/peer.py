@@ -21,7 +21,6 @@ from p2p_diloco.metrics import MetricsLog
 from p2p_diloco.model import load_model
 from p2p_diloco.records import SwarmRecords, record_validators
 from p2p_diloco.state_sync import StateServer
-from p2p_diloco.streaming import consensus_size
 from p2p_diloco.unit import JoinError, LearningUnit
 
 logger = logging.getLogger(__name__)
@@ -62,17 +61,20 @@ def run_peer(config: PeerConfig, stop: threading.Event) -> None:
             template = views(trained, fragment)
             averagers.append(_averager(config, dht, f"{stream}_f{fragment.number}", template * _copies(config)))
             owned.callback(averagers[-1].shutdown)
-        consensus_averager = None
+        consensus_averagers = None
         if outer.codec != "fp32" and outer.consensus_every_rounds > 0:
-            template = [torch.zeros(consensus_size(fragments))]
-            consensus_averager = _averager(config, dht, f"{stream}_consensus", template, lossless=True)
-            owned.callback(consensus_averager.shutdown)
+            consensus_averagers = []
+            for fragment in fragments:
+                template = [torch.zeros(fragment.numel)]
+                prefix = f"{stream}_consensus_f{fragment.number}"
+                consensus_averagers.append(_averager(config, dht, prefix, template, lossless=True))
+                owned.callback(consensus_averagers[-1].shutdown)
         state_server = StateServer(dht, f"{prefix}_p{outer.fragments}_state", trained, fragments=len(fragments))
         owned.callback(state_server.shutdown)
         install_stop_signals()  # starting a hivemind averager turned Ctrl+C off in this process
         metrics = owned.enter_context(MetricsLog(Path(config.run.work_dir) / "metrics.jsonl"))
         unit = LearningUnit(
-            config, loaded, data, averagers, state_server, records, peer_id, metrics, consensus_averager
+            config, loaded, data, averagers, state_server, records, peer_id, metrics, consensus_averagers
         )
         source = unit.join()
         metrics.write(

@@ -107,18 +107,9 @@ class FragmentRounds:
         return averaged[:count], (averaged[count:] if self.sync_momentum else sent.momentum_proposal)
 
 
-def consensus_size(fragments: Sequence[Fragment]) -> int:
-    """Elements of a consensus payload: the largest fragment's φ_p."""
-    return max(fragment.numel for fragment in fragments)
-
-
-def consensus_payload(global_params: Sequence[torch.Tensor], fragment: Fragment, size: int) -> torch.Tensor:
-    """φ_p flattened into one fp32 vector zero-padded to ``size`` (:func:`consensus_size`), so one averager serves every
-    fragment's consensus rounds. Raises ValueError if φ_p does not fit."""
-    flat = torch.cat([tensor.reshape(-1) for tensor in copies(global_params, fragment)])
-    if flat.numel() > size:
-        raise ValueError(f"fragment {fragment.number} needs {flat.numel()} elements, the payload holds {size}")
-    return torch.nn.functional.pad(flat, (0, size - flat.numel()))
+def consensus_payload(global_params: Sequence[torch.Tensor], fragment: Fragment) -> torch.Tensor:
+    """φ_p flattened into one fp32 vector of ``fragment.numel`` elements (a consensus round's payload)."""
+    return torch.cat([tensor.reshape(-1) for tensor in copies(global_params, fragment)])
 
 
 def consensus_correction(averaged: torch.Tensor, sent: torch.Tensor, fragment: Fragment,

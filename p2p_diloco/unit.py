@@ -64,7 +64,6 @@ from p2p_diloco.streaming import (
     SentRound,
     consensus_correction,
     consensus_payload,
-    consensus_size,
 )
 from p2p_diloco.wire import WireCounter
 
@@ -81,9 +80,10 @@ class JoinError(UserError):
 class LearningUnit:
     """Owns θ (through the trainer), φ, the outer momentum and the round bookkeeping of one unit.
 
-    ``averagers`` holds one averager per streaming fragment (``config.outer.fragments``). ``consensus_averager``
-    (lossy codecs; None switches consensus rounds off) averages one fragment's φ_p at a time, in fp32, in a vector of
-    ``consensus_size`` elements. Raises ValueError when the averagers do not match the fragments.
+    ``averagers`` holds one averager per streaming fragment (``config.outer.fragments``); ``consensus_averagers``
+    (lossy codecs; None switches consensus rounds off) one more per fragment, which averages its φ_p flattened, in
+    fp32 (separate averagers, so that only units re-averaging the same fragment can meet). Raises ValueError when the
+    averagers do not match the fragments.
     """
 
     def __init__(
@@ -96,10 +96,11 @@ class LearningUnit:
         records: SwarmRecords,
         peer_id: str,
         metrics: MetricsLog,
-        consensus_averager: OuterAverager | None = None,
+        consensus_averagers: Sequence[OuterAverager] | None = None,
     ):
         self.config, self.loaded, self.data = config, loaded, data
-        self.averagers, self.consensus_averager = list(averagers), consensus_averager
+        self.averagers = list(averagers)
+        self.consensus_averagers = list(consensus_averagers) if consensus_averagers is not None else None
         self.state_server, self.records = state_server, records
         self.peer_id, self.metrics = peer_id, metrics
         self.trainer = InnerTrainer(loaded.model, config.inner, loaded.device)
@@ -108,8 +109,9 @@ class LearningUnit:
         self.momentum = [torch.zeros_like(tensor) for tensor in self.global_params]
         outer = config.outer
         fragments = partition([tensor.shape for tensor in self.global_params], outer.fragments)
-        if len(self.averagers) != len(fragments):
-            raise ValueError(f"{len(fragments)} fragments need as many averagers, got {len(self.averagers)}")
+        for averager_list in (self.averagers, self.consensus_averagers):
+            if averager_list is not None and len(averager_list) != len(fragments):
+                raise ValueError(f"{len(fragments)} fragments need as many averagers, got {len(averager_list)}")
         total = sum(fragment.numel for fragment in fragments)
         compressed = outer.codec != "fp32"
         feedback = compressed and outer.error_feedback
@@ -124,13 +126,13 @@ class LearningUnit:
             )
             for fragment in fragments
         ]
-        self.consensus_size = consensus_size(fragments)
         self.consensus_due: list[int] = []  # fragments waiting for a consensus round, oldest first
-        self.consensus_sent: tuple[int, torch.Tensor] | None = None  # (fragment, payload) in flight
+        self.consensus_sent: dict[int, torch.Tensor] = {}  # fragment → payload of its consensus round in flight
         self.probe_indices = [consensus_probe_indices(views(self.global_params, f)) for f in fragments]
         self._restart_schedules()
         self.inner_step = self.tokens = 0
-        self.throughput = Throughput()
+        self.throughput = Throughput()  # tokens and wall seconds per inner step (the training loop's period)
+        self._last_step_end: float | None = None
         self.last_loss = float("nan")
         self.last_group_size = 0
         self.last_eval: float | None = None
@@ -245,13 +247,16 @@ class LearningUnit:
     def train_step(self, batches: Iterator[torch.Tensor]) -> StepStats:
         """One inner step and its bookkeeping (counters, compute, throughput)."""
         stats = self.trainer.train_step(batches)
+        now = time.monotonic()
+        period = stats.seconds if self._last_step_end is None else max(stats.seconds, now - self._last_step_end)
+        self._last_step_end = now
         self.inner_step += 1
         self.tokens += stats.tokens
         for rounds in self.fragments:
             rounds.record_step(stats.tokens, stats.seconds)
         self.ledger.record_step(stats.seconds, stats.tokens)
         self.last_loss = stats.loss
-        self.throughput.add(stats.tokens, stats.seconds)
+        self.throughput.add(stats.tokens, period)
         return stats
 
     def poll_round(self) -> RoundOutcome | None:
@@ -262,16 +267,16 @@ class LearningUnit:
             if outcome is not None:
                 self._end_round(rounds, outcome)
                 last = outcome
-        if self.consensus_averager is not None:
-            outcome = self.consensus_averager.poll()
+        for number, averager in enumerate(self.consensus_averagers or []):
+            outcome = averager.poll()
             if outcome is not None:
-                self._end_consensus(outcome)
+                self._end_consensus(number, outcome)
         return last
 
     def in_flight(self) -> set[int]:
-        """Fragments with a round in flight; a consensus round in flight counts as one more (as fragment -1)."""
+        """Rounds in flight: fragment numbers p, and P + p for fragment p's consensus round."""
         busy = {rounds.fragment.number for rounds in self.fragments if rounds.sent is not None}
-        return busy | ({-1} if self.consensus_sent is not None else set())
+        return busy | {len(self.fragments) + number for number in self.consensus_sent}
 
     def maybe_begin_round(self) -> bool:
         """Begin the rounds that are due (see the module docstring) within the in-flight bound; True if any began."""
@@ -282,13 +287,15 @@ class LearningUnit:
         for number in due:
             if not self._begin_round(self.fragments[number]):
                 return True  # a local reset: every fragment starts over
-        if self.consensus_due and self.consensus_sent is None and len(in_flight) + len(due) < outer.max_in_flight:
-            self._begin_consensus(self.consensus_due.pop(0))
+        ready = [number for number in self.consensus_due if number not in self.consensus_sent]
+        if ready and len(in_flight) + len(due) < outer.max_in_flight:
+            self.consensus_due.remove(ready[0])
+            self._begin_consensus(ready[0])
             return True
         return bool(due)
 
     def _grace_window_s(self) -> float:
-        """How long a round recruits members: grace_fraction × H measured step times, clamped.
+        """How long a round recruits members: grace_fraction × H measured wall times per inner step, clamped.
 
         With a window of half a round period, two units meet whatever their phase; units that averaged
         together end the round together and stay in phase afterwards.
@@ -370,7 +377,7 @@ class LearningUnit:
         outer = self.config.outer
         periodic = outer.consensus_every_rounds and rounds.outer_round % outer.consensus_every_rounds == 0
         drifted = outcome.member_drift > outer.consensus_tolerance  # every member saw the same probes: all decide alike
-        if self.consensus_averager is not None and (periodic or drifted) and number not in self.consensus_due:
+        if self.consensus_averagers is not None and (periodic or drifted) and number not in self.consensus_due:
             self.consensus_due.append(number)
         self.metrics.write(
             "outer_round",
@@ -394,10 +401,10 @@ class LearningUnit:
 
     def _begin_consensus(self, number: int) -> None:
         """Average fragment ``number``'s φ_p in fp32 with whichever units are in the same phase."""
-        assert self.consensus_averager is not None
+        assert self.consensus_averagers is not None
         fragment = self.fragments[number].fragment
-        payload = consensus_payload(self.global_params, fragment, self.consensus_size)
-        self.consensus_averager.begin_round(
+        payload = consensus_payload(self.global_params, fragment)
+        self.consensus_averagers[number].begin_round(
             [payload],
             weight=1.0,
             outer_round=self.fragments[number].outer_round,
@@ -405,13 +412,12 @@ class LearningUnit:
             probe=consensus_probe(views(self.global_params, fragment), self.probe_indices[number]),
             tag=f"fragment {number}",
         )
-        self.consensus_sent = (number, payload)
+        self.consensus_sent[number] = payload
         self.metrics.write("consensus_begin", fragment=number, inner_step=self.inner_step)
 
-    def _end_consensus(self, outcome: RoundOutcome) -> None:
+    def _end_consensus(self, number: int, outcome: RoundOutcome) -> None:
         """Add (group mean − sent) to φ_p and θ_p; a failed or lone round, or one mixing fragments, changes nothing."""
-        assert self.consensus_sent is not None, "a consensus outcome arrived without a round in flight"
-        (number, sent), self.consensus_sent = self.consensus_sent, None
+        sent = self.consensus_sent.pop(number)
         usable = outcome.averaged is not None and outcome.tags_agree and all_finite(outcome.averaged)
         if usable and outcome.group_size > 1:
             fragment = self.fragments[number].fragment
@@ -483,9 +489,10 @@ class LearningUnit:
         for rounds in self.fragments:
             if rounds.sent is None and rounds.steps_since_round > 0 and not self._begin_round(rounds):
                 break  # a local reset: nothing finite to hand over
-        if self.consensus_averager is not None and self.consensus_sent is not None:
-            self.consensus_averager.finish_round(0.0)  # a consensus round has no progress of its own to keep
-            self.consensus_sent = None
+        for number in list(self.consensus_sent):  # a consensus round has no progress of its own to keep
+            assert self.consensus_averagers is not None
+            self.consensus_averagers[number].finish_round(0.0)
+            del self.consensus_sent[number]
         in_flight = [(rounds, averager) for rounds, averager in zip(self.fragments, self.averagers) if rounds.sent]
         if in_flight:
             timeout_s = self._grace_window_s() + 1.0 + self.config.outer.allreduce_timeout_s

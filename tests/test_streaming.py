@@ -94,9 +94,9 @@ def test_compressed_rounds_average_pseudo_gradients_with_error_feedback(make_pee
 
 def test_consensus_round_pulls_drifted_fragments_to_the_group_mean(make_peer: PeerFactory) -> None:
     settings = dict(outer__codec="fp16", outer__consensus_every_rounds=1, **STREAMING)
-    groups, consensus = [FakeGroup(), FakeGroup()], FakeGroup()
-    a = make_peer("a", groups, consensus_group=consensus, **settings)
-    b = make_peer("b", groups, consensus_group=consensus, **settings)
+    groups, consensus = [FakeGroup(), FakeGroup()], [FakeGroup(), FakeGroup()]
+    a = make_peer("a", groups, consensus_groups=consensus, **settings)
+    b = make_peer("b", groups, consensus_groups=consensus, **settings)
     b.unit.global_params = [tensor + 0.01 for tensor in b.unit.global_params]  # b's φ drifted from a's
     step_both(a, b)  # fragment 0's round
     assert poll(a) and poll(b)
@@ -105,7 +105,7 @@ def test_consensus_round_pulls_drifted_fragments_to_the_group_mean(make_peer: Pe
     phi_b = fragment_state(b, 0)[0]
     assert max(float((x - y).abs().max()) for x, y in zip(phi_a, phi_b)) > 1e-3
     step_both(a, b)  # fragment 1's round and fragment 0's consensus round
-    assert len(consensus.rounds) == 1
+    assert [len(group.rounds) for group in consensus] == [1, 0]
     theta_a = fragment_state(a, 0)[2]
     a.unit.poll_round(), b.unit.poll_round()
     phi_a_after, _, theta_a_after = fragment_state(a, 0)

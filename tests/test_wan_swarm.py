@@ -21,7 +21,6 @@ from p2p_diloco.config import load_config
 from p2p_diloco.demo import CORPUS, TINY_MODEL, stop_process_groups
 from p2p_diloco.fragments import Fragment, partition
 from p2p_diloco.model import load_model
-from p2p_diloco.streaming import consensus_size
 
 pytestmark = pytest.mark.swarm
 
@@ -79,7 +78,7 @@ def finite_loss(event: dict) -> float:
 def test_int8_streaming_swarm_crosses_rate_limited_links(network: Namespaces, swarm: Swarm) -> None:  # noqa: F811
     """Both units average both fragments together and apply a consensus round; each unit's link carried at least
     the payload of those rounds (int8 fragment rounds: 1 byte per element; fp32 consensus rounds: 4 bytes per element
-    of ``consensus_size``) and, beyond the consensus rounds, under MAX_BYTES_PER_ELEMENT per element of the fragment
+    of their fragment) and, beyond the consensus rounds, under MAX_BYTES_PER_ELEMENT per element of the fragment
     rounds. Both units' consensus models improved."""
     setup = TrainingSetup(
         model_config=TINY_MODEL, dataset=CORPUS, batch_size=4, inner_steps=INNER_STEPS, eval_every_steps=10**6
@@ -103,7 +102,10 @@ def test_int8_streaming_swarm_crosses_rate_limited_links(network: Namespaces, sw
     after = {name: network.interface_bytes(name) for name in UNITS}
 
     split = fragments()
-    consensus_bytes = FP32_BYTES * consensus_size(split)
+
+    def consensus_bytes(events: list[dict]) -> int:
+        return sum(FP32_BYTES * split[event["fragment"]].numel for event in events)
+
     for name in UNITS:
         assert [join["source"] for join in swarm.events(name, "join")] == ["initial weights"]  # no state download
         sent = after[name][0] - before[name][0]
@@ -111,12 +113,12 @@ def test_int8_streaming_swarm_crosses_rate_limited_links(network: Namespaces, sw
         elements = sum(split[r["fragment"]].numel for r in rounds)
         consensus = [e for e in swarm.events(name, "consensus_round") if e["group_size"] == 2]
         consensus_begun = swarm.events(name, "consensus_begin")  # a round cancelled on exit may have sent part
-        payload = INT8_BYTES * elements + len(consensus) * consensus_bytes
-        beyond_consensus = (sent - len(consensus_begun) * consensus_bytes) / elements
+        payload = INT8_BYTES * elements + consensus_bytes(consensus)
+        beyond_consensus = (sent - consensus_bytes(consensus_begun)) / elements
         print(
             f"{name}: sent {sent / 1e6:.2f} MB; payload {payload / 1e6:.2f} MB of {len(rounds)} int8 fragment rounds "
             f"({elements / 1e6:.2f} M elements) and {len(consensus)} fp32 consensus rounds "
-            f"({consensus_bytes / 1e6:.2f} MB each, {len(consensus_begun)} begun); beyond the consensus rounds "
+            f"({consensus_bytes(consensus) / 1e6:.2f} MB, {len(consensus_begun)} begun); beyond the consensus rounds "
             f"{beyond_consensus:.2f} B per fragment element (fp32 proposals: {2 * FP32_BYTES})"
         )
         assert sent >= payload

@@ -20,7 +20,6 @@ from p2p_diloco.fragments import partition, views
 from p2p_diloco.metrics import MetricsLog
 from p2p_diloco.model import load_model
 from p2p_diloco.state_sync import SwarmState
-from p2p_diloco.streaming import consensus_size
 from p2p_diloco.unit import LearningUnit
 
 ASSETS = Path(__file__).resolve().parents[1] / "p2p_diloco" / "assets"
@@ -42,7 +41,7 @@ class Peer:
     batches: Iterator[torch.Tensor]
     work_dir: Path
     averagers: list[FakeAverager]  # one per fragment; ``averager`` is the first
-    consensus: FakeAverager | None
+    consensus: list[FakeAverager] | None  # one per fragment
 
     def events(self, name: str) -> list[dict[str, Any]]:
         lines = (self.work_dir / "metrics.jsonl").read_text().splitlines()
@@ -78,7 +77,7 @@ def make_peer(tmp_path: Path) -> Iterator[PeerFactory]:
         group: FakeGroup | Sequence[FakeGroup],
         records: FakeRecords | None = None,
         served: SwarmState | None = None,
-        consensus_group: FakeGroup | None = None,
+        consensus_groups: Sequence[FakeGroup] | None = None,
         **overrides: Any,
     ) -> Peer:
         """``group``: one per streaming fragment (a single group for P = 1)."""
@@ -92,8 +91,8 @@ def make_peer(tmp_path: Path) -> Iterator[PeerFactory]:
         copies = 2 if config.outer.codec == "fp32" and config.outer.sync_momentum else 1
         averagers = [group.averager(views(trained, f) * copies) for group, f in zip(groups, fragments, strict=True)]
         consensus = None
-        if consensus_group is not None:
-            consensus = consensus_group.averager([torch.zeros(consensus_size(fragments))])
+        if consensus_groups is not None:
+            consensus = [g.averager([torch.zeros(f.numel)]) for g, f in zip(consensus_groups, fragments, strict=True)]
         state_server, records = FakeStateServer(served), records if records is not None else FakeRecords()
         metrics = MetricsLog(work_dir / "metrics.jsonl")
         logs.append(metrics)
