@@ -12,7 +12,7 @@ import torch
 
 from p2p_diloco.averaging import OuterAverager
 from p2p_diloco.compression import hivemind_compression
-from p2p_diloco.config import PeerConfig
+from p2p_diloco.config import ConfigError, PeerConfig
 from p2p_diloco.data import load_text_data, shard_seed
 from p2p_diloco.dht import start_dht, stop_dht, visible_multiaddrs
 from p2p_diloco.fragments import partition, views
@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 def run_peer(config: PeerConfig, stop: threading.Event) -> None:
     """Run a learning unit until ``stop`` is set or a run limit is reached, then leave cleanly.
 
-    Raises ModelLoadError, DatasetLoadError, NetworkError, JoinError or CheckpointError (one-line messages)
+    Raises ModelLoadError, DatasetLoadError, NetworkError, JoinError, CheckpointError or ConfigError (one-line messages)
     for input the unit cannot work with; every process it started is stopped before it returns or raises.
     """
     if config.run.threads is not None:
@@ -54,7 +54,10 @@ def run_peer(config: PeerConfig, stop: threading.Event) -> None:
         trained = [param for param in loaded.model.parameters() if param.requires_grad]
         prefix = f"{run_id}_{loaded.fingerprint}"
         outer = config.outer
-        fragments = partition([param.shape for param in trained], outer.fragments)
+        try:
+            fragments = partition([param.shape for param in trained], outer.fragments)
+        except ValueError as error:
+            raise ConfigError(f"invalid config outer.fragments (--fragments): {error}") from None
         stream = f"{prefix}_p{outer.fragments}_{outer.codec}"  # units of other streaming settings never meet
         averagers = []
         for fragment in fragments:
