@@ -117,7 +117,8 @@ def due_fragments(
 ) -> list[int]:
     """Fragments whose round should begin now: at least ``inner_steps`` steps since their last round, not already in
     flight, most overdue first (ties: lower number), and only as many as keep ``len(in_flight)`` ≤ ``max_in_flight``.
-    """
+    ``in_flight`` holds the ids of the rounds in flight: fragment numbers, and any other ids (e.g. other kinds of
+    rounds) that only count toward the bound."""
     free = max(0, max_in_flight - len(in_flight))
     waiting = [
         number for number, steps in enumerate(steps_since_round) if steps >= inner_steps and number not in in_flight
