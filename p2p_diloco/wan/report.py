@@ -386,7 +386,7 @@ def markdown_table(rows: Sequence[Mapping[str, Any]], target_loss: float | None,
         f"| method | inner steps (all units) | time to loss {target} (s) | speed-up vs sync-dp "
         f"| compute utilisation min / median | tx bytes per inner step | rx bytes per inner step "
         f"| sync-dp bytes / method bytes | peak link rate (Mbit/s) | eval loss at {tokens or 'n/a'} tokens "
-        f"| vs sync-dp | final eval loss |",
+        f"| vs data-parallel | final eval loss |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
