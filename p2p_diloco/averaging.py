@@ -74,11 +74,13 @@ class _PendingRound:
 
 
 class OuterAverager:
-    """Averages fixed-shape CPU tensor lists (outer-step proposals) with whichever peers are matchmaking.
+    """Averages fixed-shape CPU tensor lists (a fragment's outer-step proposals, pseudo-gradients or consensus
+    payload) with whichever peers are matchmaking.
 
-    Peers are grouped under ``prefix``: give a prefix that includes the run id and the model fingerprint so
-    that units of other runs or of another architecture never meet. Owns a hivemind averager process;
-    call :meth:`shutdown` (also on errors) to stop it.
+    Peers are grouped under ``prefix``: give a prefix that includes the run id, the model fingerprint and whatever
+    must match (fragment, codec) so that units that cannot average together never meet. ``compression`` is the
+    hivemind codec of every part sent (default: none). Owns a hivemind averager process; call :meth:`shutdown`
+    (also on errors) to stop it.
     """
 
     def __init__(
