@@ -22,7 +22,9 @@ next rounds average those shards again (see diloco.py).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
+import math
 import time
 from collections.abc import Sequence
 from concurrent.futures import InvalidStateError
@@ -37,6 +39,10 @@ from hivemind.utils import get_dht_time
 from p2p_diloco.diloco import probe_drift
 
 logger = logging.getLogger(__name__)
+
+TENSOR_LOCK_WAIT_S = 0.05  # longest an inner step waits for the averaged tensors
+LOCK_WARNING_EVERY_S = 30.0
+STUCK_MARGIN_S = 5.0  # the tensors' lock busy this long past the all-reduce timeout: the averager is restarted
 
 
 @dataclass(frozen=True)
@@ -97,7 +103,9 @@ class OuterAverager:
     ):
         self.quorum = quorum
         self._shapes = [tuple(tensor.shape) for tensor in template]
-        self._averager = hivemind.DecentralizedAverager(
+        self._stuck_after_s = allreduce_timeout_s + STUCK_MARGIN_S
+        self._new_averager = functools.partial(
+            hivemind.DecentralizedAverager,
             averaged_tensors=[torch.zeros_like(tensor, dtype=torch.float32, device="cpu") for tensor in template],
             dht=dht,
             start=True,
@@ -109,7 +117,10 @@ class OuterAverager:
             allreduce_timeout=allreduce_timeout_s,
             compression=compression if compression is not None else NoCompression(),
         )
+        self._averager = self._new_averager()
         self._pending: _PendingRound | None = None
+        self._last_lock_warning = -math.inf
+        self._lock_busy_since: float | None = None
 
     def begin_round(
         self,
@@ -119,15 +130,21 @@ class OuterAverager:
         window_s: float,
         probe: Sequence[float] = (),
         tag: str = "",
-    ) -> None:
+    ) -> bool:
         """Start averaging ``proposal`` (weighted by ``weight`` > 0) in the background; returns at once.
 
         ``probe`` (see ``diloco.consensus_probe``) is shared with the group to measure how far apart the
         members' global parameters were; ``tag`` too, so that members can check they averaged the same thing.
 
-        Raises RuntimeError if a round is already in flight and ValueError for a proposal of another shape.
+        Returns False, having started nothing, when the averager process holds its tensors (see
+        :meth:`_tensors_free`): the caller tries again later instead of blocking its inner loop. Raises RuntimeError
+        if a round is already in flight and ValueError for a proposal of another shape.
         """
         check_round_request(self._pending is not None, self._shapes, proposal, weight)
+        if not self._tensors_free():
+            if not self._stuck():
+                return False
+            self._restart()
         proposal = [tensor.detach().to(device="cpu", dtype=torch.float32) for tensor in proposal]
         with self._averager.get_tensors() as buffers:
             for buffer, tensor in zip(buffers, proposal):
@@ -142,12 +159,51 @@ class OuterAverager:
             wait=False,
         )
         self._pending = _PendingRound(control, proposal, float(weight), int(outer_round), str(tag), time.time())
+        return True
+
+    def _tensors_free(self) -> bool:
+        """Whether the averaged tensors' lock can be taken within TENSOR_LOCK_WAIT_S (it is released at once).
+
+        The averager process holds it for a whole all-reduce, and hivemind 1.1.12 can leave it held for good: a step
+        cancelled while its process waits for the lock in a worker thread (seen after a unit was frozen mid-round and
+        thawed) never releases it. Probing first keeps the inner loop from blocking on it; a lock taken between the
+        probe and the copy is an ordinary all-reduce, bounded by its timeout. A lock busy for longer than any
+        all-reduce may take is stuck (:meth:`_stuck`)."""
+        lock = self._averager.lock_averaged_tensors
+        if lock.acquire(timeout=TENSOR_LOCK_WAIT_S):
+            lock.release()
+            self._lock_busy_since = None
+            return True
+        now = time.monotonic()
+        self._lock_busy_since = now if self._lock_busy_since is None else self._lock_busy_since
+        if now - self._last_lock_warning >= LOCK_WARNING_EVERY_S:
+            logger.warning("averaged tensors are held by the averager process; retrying at the next inner step")
+            self._last_lock_warning = now
+        return False
+
+    def _stuck(self) -> bool:
+        """The tensors' lock has been busy for longer than the all-reduce timeout plus STUCK_MARGIN_S."""
+        busy_since = self._lock_busy_since
+        return busy_since is not None and time.monotonic() - busy_since > self._stuck_after_s
+
+    def _restart(self) -> None:
+        """Replace a stuck hivemind averager with a new one (same prefix and settings; about a second)."""
+        logger.warning("the averager kept its tensors locked for over %.0f s: restarting it", self._stuck_after_s)
+        self._averager.shutdown()
+        self._averager = self._new_averager()
+        self._lock_busy_since = None
 
     def poll(self) -> RoundOutcome | None:
         """The outcome of the round in flight once it ended, else None. Never raises for network failures."""
         pending = self._pending
         if pending is None or not pending.control.done():
             return None
+        if not self._tensors_free():
+            if not self._stuck():
+                return None
+            self._pending = None
+            self._restart()
+            return self._without_group(pending, "the averager kept its tensors locked after the round (restarted)")
         self._pending = None
         try:
             gathered = pending.control.result()

@@ -307,7 +307,8 @@ class LearningUnit:
         return min(outer.max_grace_s, max(outer.min_grace_s, window))
 
     def _begin_round(self, rounds: FragmentRounds) -> bool:
-        """Send fragment ``rounds``' payload; False (and a local reset) if θ is non-finite."""
+        """Send fragment ``rounds``' payload; False (and a local reset) if θ is non-finite. A round its averager cannot
+        take yet (its tensors are held, see ``OuterAverager.begin_round``) is not begun and stays due."""
         local_at_send = copies(self.trainer.params, rounds.fragment)
         if not all_finite(local_at_send):
             # A diverged unit must not send NaN/inf: every group it joined would reject the average.
@@ -320,7 +321,7 @@ class LearningUnit:
         payload, momentum_proposal = rounds.payload(self.global_params, self.momentum, local_at_send, self.hyper)
         weight, window_s = max(1, rounds.tokens_since_round), self._grace_window_s()
         number = rounds.fragment.number
-        self.averagers[number].begin_round(
+        begun = self.averagers[number].begin_round(
             payload,
             weight=weight,
             outer_round=rounds.outer_round,
@@ -328,6 +329,8 @@ class LearningUnit:
             probe=consensus_probe(views(self.global_params, rounds.fragment), self.probe_indices[number]),
             tag=f"fragment {number}",
         )
+        if not begun:
+            return True
         self.metrics.write(
             "outer_round_begin",
             fragment=number,
@@ -404,7 +407,7 @@ class LearningUnit:
         assert self.consensus_averagers is not None
         fragment = self.fragments[number].fragment
         payload = consensus_payload(self.global_params, fragment)
-        self.consensus_averagers[number].begin_round(
+        begun = self.consensus_averagers[number].begin_round(
             [payload],
             weight=1.0,
             outer_round=self.fragments[number].outer_round,
@@ -412,6 +415,9 @@ class LearningUnit:
             probe=consensus_probe(views(self.global_params, fragment), self.probe_indices[number]),
             tag=f"fragment {number}",
         )
+        if not begun:  # its averager cannot take it yet: it stays first in line
+            self.consensus_due.insert(0, number)
+            return
         self.consensus_sent[number] = payload
         self.metrics.write("consensus_begin", fragment=number, inner_step=self.inner_step)
 

@@ -115,7 +115,7 @@ class FakeAverager:
         window_s: float,
         probe: Sequence[float] = (),
         tag: str = "",
-    ) -> None:
+    ) -> bool:
         check_round_request(self._in_flight, self.shapes, proposal, weight)
         begun = BegunRound(
             clone_all(proposal), float(weight), int(outer_round), window_s, list(probe), time.time(), tag
@@ -123,6 +123,7 @@ class FakeAverager:
         self.begun.append(begun)
         self._in_flight = True
         self.group._join(self, begun)
+        return True
 
     def _deliver(self, outcome: RoundOutcome) -> None:
         self._outcome = outcome
