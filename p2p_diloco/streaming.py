@@ -87,16 +87,20 @@ class FragmentRounds:
         phi, moment = copies(global_params, self.fragment), copies(momentum, self.fragment)
         delta = pseudo_gradient(phi, local_at_send)
         if self.compressed:
-            return self._with_error_feedback(delta), []
+            return (self.error_feedback.compensate(delta) if self.error_feedback else delta), []
         params_proposal, momentum_proposal = outer_step(phi, moment, delta, hyper)
         return params_proposal + (momentum_proposal if self.sync_momentum else []), momentum_proposal
 
-    def _with_error_feedback(self, delta: Tensors) -> Tensors:
-        if self.error_feedback is None or self.roundtrip is None:
-            return delta
-        compensated = self.error_feedback.compensate(delta)
-        self.error_feedback.update(compensated, [self.roundtrip(tensor) for tensor in compensated])
-        return compensated
+    def mark_sent(self, payload: Tensors, local_at_send: Tensors, momentum_proposal: Tensors, inner_step: int) -> None:
+        """The averager took ``payload`` (from :meth:`payload`): the round is in flight, the counters start over, and
+        with error feedback what the codec drops from it becomes the residual. Nothing changes for a payload that was
+        not taken, so it is computed again, from the same residual, at the next attempt."""
+        if self.error_feedback is not None and self.roundtrip is not None:
+            self.error_feedback.update(payload, [self.roundtrip(tensor) for tensor in payload])
+        self.sent = SentRound(local_at_send, momentum_proposal, self.tokens_since_round, self.compute_since_round,
+                              inner_step)  # fmt: skip
+        self.steps_since_round = self.tokens_since_round = 0
+        self.compute_since_round = 0.0
 
     def merged(self, averaged: Tensors, global_params: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor],
                sent: SentRound, hyper: OuterHyperparams) -> tuple[Tensors, Tensors]:  # fmt: skip

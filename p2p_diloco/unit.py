@@ -35,6 +35,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Literal
 
 import torch
 from hivemind.utils import get_dht_time
@@ -61,7 +62,6 @@ from p2p_diloco.records import PeerProgress, SwarmRecords
 from p2p_diloco.state_sync import StateServer, SwarmState
 from p2p_diloco.streaming import (
     FragmentRounds,
-    SentRound,
     consensus_correction,
     consensus_payload,
 )
@@ -284,15 +284,17 @@ class LearningUnit:
         in_flight = self.in_flight()
         due = due_fragments([rounds.steps_since_round for rounds in self.fragments], in_flight,
                             outer.inner_steps, outer.max_in_flight)  # fmt: skip
+        began = False
         for number in due:
-            if not self._begin_round(self.fragments[number]):
-                return True  # a local reset: every fragment starts over
+            result = self._begin_round(self.fragments[number])
+            if result == "reset":
+                return True  # every fragment starts over
+            began |= result == "began"
         ready = [number for number in self.consensus_due if number not in self.consensus_sent]
         if ready and len(in_flight) + len(due) < outer.max_in_flight:
             self.consensus_due.remove(ready[0])
-            self._begin_consensus(ready[0])
-            return True
-        return bool(due)
+            began |= self._begin_consensus(ready[0])
+        return began
 
     def _grace_window_s(self) -> float:
         """How long a round recruits members: grace_fraction × H measured wall times per inner step, clamped.
@@ -306,9 +308,10 @@ class LearningUnit:
         window = outer.grace_fraction * outer.inner_steps * self.throughput.step_time_s
         return min(outer.max_grace_s, max(outer.min_grace_s, window))
 
-    def _begin_round(self, rounds: FragmentRounds) -> bool:
-        """Send fragment ``rounds``' payload; False (and a local reset) if θ is non-finite. A round its averager cannot
-        take yet (its tensors are held, see ``OuterAverager.begin_round``) is not begun and stays due."""
+    def _begin_round(self, rounds: FragmentRounds) -> Literal["began", "deferred", "reset"]:
+        """Send fragment ``rounds``' payload. "reset": θ was non-finite and every fragment starts over from φ.
+        "deferred": its averager cannot take it yet (its tensors are held, see ``OuterAverager.begin_round``); the
+        round is not begun and stays due."""
         local_at_send = copies(self.trainer.params, rounds.fragment)
         if not all_finite(local_at_send):
             # A diverged unit must not send NaN/inf: every group it joined would reject the average.
@@ -317,7 +320,7 @@ class LearningUnit:
             self.trainer.load_parameters(self.global_params)
             self.trainer.reset_optimizer()
             self._restart_schedules()
-            return False
+            return "reset"
         payload, momentum_proposal = rounds.payload(self.global_params, self.momentum, local_at_send, self.hyper)
         weight, window_s = max(1, rounds.tokens_since_round), self._grace_window_s()
         number = rounds.fragment.number
@@ -330,7 +333,7 @@ class LearningUnit:
             tag=f"fragment {number}",
         )
         if not begun:
-            return True
+            return "deferred"
         self.metrics.write(
             "outer_round_begin",
             fragment=number,
@@ -340,12 +343,8 @@ class LearningUnit:
             scheduled_at=time.time() + window_s,
             weight=weight,
         )
-        rounds.sent = SentRound(
-            local_at_send, momentum_proposal, rounds.tokens_since_round, rounds.compute_since_round, self.inner_step
-        )
-        rounds.steps_since_round = rounds.tokens_since_round = 0
-        rounds.compute_since_round = 0.0
-        return True
+        rounds.mark_sent(payload, local_at_send, momentum_proposal, self.inner_step)
+        return "began"
 
     def _end_round(self, rounds: FragmentRounds, outcome: RoundOutcome) -> None:
         sent, rounds.sent = rounds.sent, None
@@ -402,8 +401,9 @@ class LearningUnit:
             if self.outer_round % self.config.run.checkpoint_every_rounds == 0:
                 self.save()
 
-    def _begin_consensus(self, number: int) -> None:
-        """Average fragment ``number``'s φ_p in fp32 with whichever units are in the same phase."""
+    def _begin_consensus(self, number: int) -> bool:
+        """Average fragment ``number``'s φ_p in fp32 with whichever units are in the same phase; False when its
+        averager cannot take the round yet (it stays first in line)."""
         assert self.consensus_averagers is not None
         fragment = self.fragments[number].fragment
         payload = consensus_payload(self.global_params, fragment)
@@ -415,11 +415,12 @@ class LearningUnit:
             probe=consensus_probe(views(self.global_params, fragment), self.probe_indices[number]),
             tag=f"fragment {number}",
         )
-        if not begun:  # its averager cannot take it yet: it stays first in line
+        if not begun:
             self.consensus_due.insert(0, number)
-            return
+            return False
         self.consensus_sent[number] = payload
         self.metrics.write("consensus_begin", fragment=number, inner_step=self.inner_step)
+        return True
 
     def _end_consensus(self, number: int, outcome: RoundOutcome) -> None:
         """Add (group mean − sent) to φ_p and θ_p; a failed or lone round, or one mixing fragments, changes nothing."""
@@ -493,8 +494,8 @@ class LearningUnit:
         export of the consensus parameters. A round that does not end in time is dropped; its progress stays in
         the checkpoint's local parameters."""
         for rounds in self.fragments:
-            if rounds.sent is None and rounds.steps_since_round > 0 and not self._begin_round(rounds):
-                break  # a local reset: nothing finite to hand over
+            if rounds.sent is None and rounds.steps_since_round > 0 and self._begin_round(rounds) == "reset":
+                break  # nothing finite to hand over
         for number in list(self.consensus_sent):  # a consensus round has no progress of its own to keep
             assert self.consensus_averagers is not None
             self.consensus_averagers[number].finish_round(0.0)

@@ -99,6 +99,7 @@ class FakeAverager:
         self.shapes = [tuple(tensor.shape) for tensor in template]
         self.begun: list[BegunRound] = []
         self.cancelled = 0
+        self.refusals = 0  # the next begin_round calls that return False (the real one's tensors are held)
         self.is_shut_down = False
         self._in_flight = False
         self._outcome: RoundOutcome | None = None
@@ -117,6 +118,9 @@ class FakeAverager:
         tag: str = "",
     ) -> bool:
         check_round_request(self._in_flight, self.shapes, proposal, weight)
+        if self.refusals:
+            self.refusals -= 1
+            return False
         begun = BegunRound(
             clone_all(proposal), float(weight), int(outer_round), window_s, list(probe), time.time(), tag
         )

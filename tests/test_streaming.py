@@ -92,6 +92,28 @@ def test_compressed_rounds_average_pseudo_gradients_with_error_feedback(make_pee
     torch.testing.assert_close(theta_sent, [d + r for d, r in zip(delta_2, residual)], rtol=1e-6, atol=1e-7)
 
 
+def test_a_refused_compressed_round_leaves_the_error_feedback_residual_as_it_was(make_peer: PeerFactory) -> None:
+    settings = dict(outer__codec="int8", outer__inner_steps=2, outer__consensus_every_rounds=0)
+    group = FakeGroup()
+    a, b = make_peer("a", group, **settings), make_peer("b", group, **settings)
+    for _ in range(2):
+        step_both(a, b)
+    assert poll(a) and poll(b)
+    residual = [r.clone() for r in a.unit.fragments[0].error_feedback.state_dict()["residuals"]]
+    a.averager.refusals = 1  # its averager's tensors are held once
+    for _ in range(2):
+        inner_step(a)
+    assert not maybe_begin(a) and a.unit.fragments[0].sent is None and a.unit.fragments[0].steps_since_round == 2
+    assert all(
+        torch.equal(x, y) for x, y in zip(a.unit.fragments[0].error_feedback.state_dict()["residuals"], residual)
+    )
+    assert maybe_begin(a)
+    delta = pseudo_gradient(fragment_state(a, 0)[0], a.unit.fragments[0].sent.local_at_send)
+    torch.testing.assert_close(
+        a.averager.begun[-1].proposal, [d + r for d, r in zip(delta, residual)], rtol=1e-6, atol=1e-7
+    )
+
+
 def test_consensus_round_pulls_drifted_fragments_to_the_group_mean(make_peer: PeerFactory) -> None:
     settings = dict(outer__codec="fp16", outer__consensus_every_rounds=1, **STREAMING)
     groups, consensus = [FakeGroup(), FakeGroup()], [FakeGroup(), FakeGroup()]
