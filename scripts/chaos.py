@@ -16,8 +16,8 @@ from pathlib import Path
 from p2p_diloco.chaos.benchmark import METHODS, ChaosConfig, run_chaos_benchmark
 from p2p_diloco.chaos.namespaces import NamespaceError
 from p2p_diloco.chaos.schedule import FaultRates
+from p2p_diloco.chaos.script import run_benchmark
 from p2p_diloco.chaos.swarm_target import TrainingSetup
-from p2p_diloco.metrics import configure_logging
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -45,22 +45,6 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main() -> int:
-    args = _parser().parse_args()
-    configure_logging("INFO")
-    command = [Path(sys.executable).name, *(arg for arg in sys.argv if arg != "--report-only")]
-    try:
-        config = _config(args)
-    except ValueError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    try:
-        return run_chaos_benchmark(config, command, report_only=args.report_only)
-    except NamespaceError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-
-
 def _config(args: argparse.Namespace) -> ChaosConfig:
     """Raises ValueError for invalid values."""
     return ChaosConfig(
@@ -83,6 +67,10 @@ def _config(args: argparse.Namespace) -> ChaosConfig:
         start_after_s=args.start_after_s,
         use_namespaces=args.namespaces,
     )
+
+
+def main() -> int:
+    return run_benchmark(_parser().parse_args(), _config, run_chaos_benchmark, (NamespaceError,))
 
 
 if __name__ == "__main__":

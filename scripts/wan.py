@@ -16,8 +16,8 @@ import sys
 from pathlib import Path
 
 from p2p_diloco.chaos.namespaces import NamespaceError
+from p2p_diloco.chaos.script import run_benchmark
 from p2p_diloco.chaos.swarm_target import TrainingSetup
-from p2p_diloco.metrics import configure_logging
 from p2p_diloco.wan.benchmark import METHODS, RunFolderError, WanConfig, run_wan_benchmark
 
 
@@ -69,19 +69,7 @@ def _config(args: argparse.Namespace) -> WanConfig:
 
 
 def main() -> int:
-    args = _parser().parse_args()
-    configure_logging("INFO")
-    command = [Path(sys.executable).name, *(arg for arg in sys.argv if arg != "--report-only")]
-    try:
-        config = _config(args)
-    except ValueError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    try:
-        return run_wan_benchmark(config, command, report_only=args.report_only)
-    except (RunFolderError, NamespaceError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    return run_benchmark(_parser().parse_args(), _config, run_wan_benchmark, (RunFolderError, NamespaceError))
 
 
 if __name__ == "__main__":
