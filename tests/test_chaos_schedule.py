@@ -188,6 +188,7 @@ def test_time_breakdown_accounts_for_every_allocated_second(tmp_path: Path) -> N
     [
         (["--crash-mtbf-s", "0"], "error: crash_mtbf_s must be positive"),
         (["--partition-mtbf-s", "60"], "error: partitions need network namespaces"),
+        (["--budget-s", "-1"], "error: need units >= 1 and budget_s > 0"),
     ],
 )
 def test_chaos_script_refuses_bad_settings_in_one_line(tmp_path: Path, flags: list[str], message: str) -> None:

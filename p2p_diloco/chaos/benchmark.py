@@ -57,6 +57,8 @@ class ChaosConfig:
     gloo_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
+        if self.units < 1 or not self.budget_s > 0:
+            raise ValueError(f"need units >= 1 and budget_s > 0, got units {self.units}, budget_s {self.budget_s}")
         unknown = sorted(set(self.methods) - set(METHODS))
         if unknown:
             raise ValueError(f"unknown methods {unknown}; choose from {list(METHODS)}")
