@@ -16,6 +16,7 @@ from typing import Any, Literal
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from p2p_diloco.errors import UserError
+from p2p_diloco.presets import PRESETS
 
 
 class ConfigError(UserError, ValueError):
@@ -181,6 +182,10 @@ def _is_bool(annotation: Any) -> bool:
 def add_config_arguments(parser: argparse.ArgumentParser, sections: tuple[str, ...] = tuple(SECTIONS)) -> None:
     """Add ``--config FILE`` and one ``--field-name`` flag per field of ``sections`` (all default to "not given")."""
     parser.add_argument("--config", type=Path, help="TOML file with [model], [data], [inner], [outer], ... sections")
+    if "model" in sections:
+        parser.add_argument(
+            "--preset", choices=sorted(PRESETS), help="start from a shipped preset (the file and flags override it)"
+        )
     for section_name in sections:
         section = SECTIONS[section_name]
         group = parser.add_argument_group(section_name)
@@ -196,28 +201,34 @@ def add_config_arguments(parser: argparse.ArgumentParser, sections: tuple[str, .
             group.add_argument(_flag(name), **kwargs)
 
 
-def load_config(args: argparse.Namespace | None = None, toml_path: Path | None = None, **overrides: Any) -> PeerConfig:
-    """Build a validated config from a TOML file, parsed CLI flags and keyword overrides (in increasing priority).
+def load_config(
+    args: argparse.Namespace | None = None,
+    toml_path: Path | None = None,
+    preset: str | None = None,
+    **overrides: Any,
+) -> PeerConfig:
+    """Build a validated config from a preset (``PRESETS``), a TOML file, parsed CLI flags and keyword overrides, in
+    increasing priority. ``args`` may carry ``config`` and ``preset`` themselves (the ``--config`` and ``--preset``
+    flags).
 
     ``overrides`` use ``section__field`` keys, e.g. ``outer__inner_steps=10``. Raises :class:`ConfigError`.
     """
-    raw: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
     cli = vars(args) if args is not None else {}
+    preset = preset or cli.get("preset")
     toml_path = toml_path or cli.get("config")
+    layers = [_section_layer(PRESETS[preset], f"preset {preset}")] if preset is not None else []
     if toml_path is not None:
-        loaded = _read_toml(Path(toml_path))
-        for section_name, values in loaded.items():
-            if section_name not in SECTIONS or not isinstance(values, dict):
-                raise ConfigError(f"config file {toml_path}: unknown section [{section_name}]")
-            raw[section_name].update(values)
-    cli_layer = [tuple(key.split(".", 1)) + (value,) for key, value in cli.items() if "." in key]
+        layers.append(_section_layer(_read_toml(Path(toml_path)), f"config file {toml_path}"))
+    layers.append([(*key.split(".", 1), value) for key, value in cli.items() if "." in key])
     override_layer = []
     for key, value in overrides.items():
         section_name, _, field_name = key.partition("__")
         if section_name not in SECTIONS or not field_name:
             raise ConfigError(f"invalid override {key!r}: expected section__field with a section in {sorted(SECTIONS)}")
         override_layer.append((section_name, field_name, value))
-    for layer in (cli_layer, override_layer):
+    layers.append(override_layer)
+    raw: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+    for layer in layers:
         if any(section == "model" and name in _MODEL_SOURCES for section, name, _ in layer):
             for source in _MODEL_SOURCES:  # a higher layer choosing the model source replaces a lower one's choice
                 raw["model"].pop(source, None)
@@ -227,6 +238,16 @@ def load_config(args: argparse.Namespace | None = None, toml_path: Path | None =
         return PeerConfig(**{name: values for name, values in raw.items() if values or name in ("model", "data")})
     except ValidationError as error:
         raise _config_error(error) from None
+
+
+def _section_layer(sections: dict[str, Any], source: str) -> list[tuple[str, str, Any]]:
+    """(section, field, value) of a TOML-shaped mapping. Raises ConfigError for an unknown section."""
+    layer = []
+    for section_name, values in sections.items():
+        if section_name not in SECTIONS or not isinstance(values, dict):
+            raise ConfigError(f"{source}: unknown section [{section_name}]")
+        layer += [(section_name, field_name, value) for field_name, value in values.items()]
+    return layer
 
 
 def _read_toml(path: Path) -> dict[str, Any]:

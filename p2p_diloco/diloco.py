@@ -28,9 +28,11 @@ Tensors = list[torch.Tensor]
 
 @dataclass(frozen=True)
 class OuterHyperparams:
-    lr: float = 0.7
-    momentum: float = 0.9
-    nesterov: bool = True
+    """The outer SGD step's settings (their defaults are the ``[outer]`` config's)."""
+
+    lr: float
+    momentum: float
+    nesterov: bool
 
 
 def pseudo_gradient(global_params: Sequence[torch.Tensor], local_params: Sequence[torch.Tensor]) -> Tensors:

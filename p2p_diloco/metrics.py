@@ -7,7 +7,6 @@ import logging
 import math
 import sys
 import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -15,7 +14,7 @@ from types import TracebackType
 from tqdm import tqdm
 from transformers.utils import logging as transformers_logging
 
-FieldValue = float | int | str | None
+from p2p_diloco.events import Event
 
 _LOG_FORMAT = "%(asctime)s.%(msecs)03d %(levelname)s %(name)s: %(message)s"
 _LOG_DATE_FORMAT = "%Y-%m-%dT%H:%M:%S"
@@ -23,7 +22,7 @@ _HANDLER_NAME = "p2p_diloco"
 
 
 class MetricsLog:
-    """Append-only JSONL file: one ``{"time": unix_seconds, "event": str, ...fields}`` object per line.
+    """Append-only JSONL file of events (p2p_diloco/events.py), one object per line.
 
     Lines are flushed as written (a killed process loses at most the line being written), writes from
     several threads do not interleave, and non-finite floats are written as ``null`` so every line is
@@ -36,12 +35,10 @@ class MetricsLog:
         self._file = self.path.open("a", buffering=1, encoding="utf-8")
         self._lock = threading.Lock()
 
-    def write(self, event: str, /, **fields: FieldValue) -> None:
-        """Append one event. Raises ValueError if a field is named ``time`` or ``event``."""
-        if "time" in fields or "event" in fields:
-            raise ValueError("metric fields must not be named 'time' or 'event'")
-        record = {"time": time.time(), "event": event, **{name: _finite(value) for name, value in fields.items()}}
-        line = json.dumps(record, allow_nan=False) + "\n"
+    def write(self, event: Event) -> None:
+        """Append one event."""
+        fields = {name: _finite(value) for name, value in event.fields().items()}
+        line = json.dumps({"time": event.time, "event": event.event, **fields}, allow_nan=False) + "\n"
         with self._lock:
             self._file.write(line)
 
@@ -59,20 +56,7 @@ class MetricsLog:
         self.close()
 
 
-def read_events(path: Path) -> list[dict]:
-    """The events of a :class:`MetricsLog` file (a line cut short by a kill is skipped); empty if there is no file."""
-    if not path.exists():
-        return []
-    events = []
-    for line in path.read_text().splitlines():
-        try:
-            events.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return events
-
-
-def _finite(value: FieldValue) -> FieldValue:
+def _finite(value: object) -> object:
     return None if isinstance(value, float) and not math.isfinite(value) else value
 
 

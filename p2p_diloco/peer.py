@@ -10,6 +10,7 @@ from pathlib import Path
 import hivemind
 import torch
 
+from p2p_diloco import events
 from p2p_diloco.averaging import OuterAverager
 from p2p_diloco.compression import hivemind_compression
 from p2p_diloco.config import ConfigError, PeerConfig
@@ -81,12 +82,13 @@ def run_peer(config: PeerConfig, stop: threading.Event) -> None:
         )
         source = unit.join()
         metrics.write(
-            "join",
-            peer_id=peer_id,
-            source=source,
-            outer_round=unit.outer_round,
-            fingerprint=loaded.fingerprint,
-            multiaddrs=multiaddrs,
+            events.Join(
+                peer_id=peer_id,
+                source=source,
+                outer_round=unit.outer_round,
+                fingerprint=loaded.fingerprint,
+                multiaddrs=multiaddrs,
+            )
         )
         logger.info("joined run=%s peer_id=%s source=%s outer_round=%d", run_id, peer_id, source, unit.outer_round)
         try:

@@ -40,6 +40,7 @@ from typing import Literal
 import torch
 from hivemind.utils import get_dht_time
 
+from p2p_diloco import events
 from p2p_diloco.averaging import OuterAverager, RoundOutcome
 from p2p_diloco.checkpoint import load_checkpoint, save_checkpoint
 from p2p_diloco.compression import ErrorFeedback, roundtrip
@@ -161,7 +162,7 @@ class LearningUnit:
             rounds.restart_schedule(len(self.fragments), self.config.outer.inner_steps)
 
     # ----------------------------------------------------------------------------------------------- join
-    def join(self) -> str:
+    def join(self) -> events.JoinSource:
         """Take the state to train from (see the module docstring); returns its source. Raises JoinError."""
         checkpoint = load_checkpoint(self.checkpoint_path)
         if checkpoint is not None and checkpoint.get("model_fingerprint") != self.loaded.fingerprint:
@@ -186,11 +187,12 @@ class LearningUnit:
             if state is not None:
                 seconds = time.monotonic() - started
                 self.metrics.write(
-                    "state_download",
-                    seconds=seconds,
-                    outer_round=state.outer_round,
-                    donor_inner_step=state.inner_step,
-                    donor_tokens=state.tokens,
+                    events.StateDownload(
+                        seconds=seconds,
+                        outer_round=state.outer_round,
+                        donor_inner_step=state.inner_step,
+                        donor_tokens=state.tokens,
+                    )
                 )
                 logger.info("downloaded swarm state: outer_round=%d seconds=%.2f", state.outer_round, seconds)
                 return state
@@ -233,7 +235,7 @@ class LearningUnit:
                 stats = self.train_step(batches)
                 progress.inner_step(stats.loss, self.throughput.tokens_per_s or 0.0)
                 if self.inner_step % 10 == 0:
-                    self.metrics.write("inner_step", step=self.inner_step, loss=stats.loss, seconds=stats.seconds)
+                    self.metrics.write(events.InnerStep(step=self.inner_step, loss=stats.loss, seconds=stats.seconds))
                 outcome = self.poll_round()
                 if outcome is not None:
                     progress.outer_round(outcome.group_size, self.last_eval)
@@ -316,7 +318,7 @@ class LearningUnit:
         if not all_finite(local_at_send):
             # A diverged unit must not send NaN/inf: every group it joined would reject the average.
             logger.error("local parameters are non-finite at inner step %d: restarting from φ", self.inner_step)
-            self.metrics.write("local_reset", outer_round=self.outer_round, inner_step=self.inner_step)
+            self.metrics.write(events.LocalReset(outer_round=self.outer_round, inner_step=self.inner_step))
             self.trainer.load_parameters(self.global_params)
             self.trainer.reset_optimizer()
             self._restart_schedules()
@@ -335,13 +337,14 @@ class LearningUnit:
         if not begun:
             return "deferred"
         self.metrics.write(
-            "outer_round_begin",
-            fragment=number,
-            outer_round=rounds.outer_round,
-            inner_step=self.inner_step,
-            window_s=window_s,
-            scheduled_at=time.time() + window_s,
-            weight=weight,
+            events.OuterRoundBegin(
+                fragment=number,
+                outer_round=rounds.outer_round,
+                inner_step=self.inner_step,
+                window_s=window_s,
+                scheduled_at=time.time() + window_s,
+                weight=weight,
+            )
         )
         rounds.mark_sent(payload, local_at_send, momentum_proposal, self.inner_step)
         return "began"
@@ -351,14 +354,15 @@ class LearningUnit:
         assert sent is not None, "an outcome arrived without a round in flight"
         rounds.steps_since_round = 0
         averaged = outcome.averaged
+        status: Literal["failed", "rejected"] = "failed"
         if averaged is not None and not all_finite(averaged):
             logger.error("rejected a non-finite average in outer round %d", rounds.outer_round)
-            averaged = None
+            averaged, status = None, "rejected"
         number = rounds.fragment.number
         if averaged is None:
             rounds.carry(sent)
-            self.metrics.write("outer_round_failed", fragment=number, outer_round=rounds.outer_round,
-                               error=outcome.error)  # fmt: skip
+            self.metrics.write(events.OuterRoundFailed(status=status, fragment=number, outer_round=rounds.outer_round,
+                                                       error=outcome.error))  # fmt: skip
             return
         unit_round_before = self.outer_round
         new_params, new_momentum = rounds.merged(averaged, self.global_params, self.momentum, sent, self.hyper)
@@ -382,18 +386,20 @@ class LearningUnit:
         if self.consensus_averagers is not None and (periodic or drifted) and number not in self.consensus_due:
             self.consensus_due.append(number)
         self.metrics.write(
-            "outer_round",
-            fragment=number,
-            outer_round=rounds.outer_round,
-            unit_outer_round=self.outer_round,
-            group_size=outcome.group_size,
-            overlap_steps=self.inner_step - sent.inner_step,
-            seconds=outcome.finished_at - outcome.started_at,
-            weight=sent.tokens,
-            member_drift=outcome.member_drift,
-            useful_compute_s=self.ledger.useful_compute_s,
-            useful_tokens=self.ledger.useful_tokens,
-            **(self._wire_fields() if advanced else {}),
+            events.OuterRound(
+                status="merged" if outcome.group_size > 1 else "alone",
+                fragment=number,
+                outer_round=rounds.outer_round,
+                unit_outer_round=self.outer_round,
+                group_size=outcome.group_size,
+                overlap_steps=self.inner_step - sent.inner_step,
+                seconds=outcome.finished_at - outcome.started_at,
+                weight=sent.tokens,
+                member_drift=outcome.member_drift,
+                useful_compute_s=self.ledger.useful_compute_s,
+                useful_tokens=self.ledger.useful_tokens,
+                **(self._wire_fields() if advanced else {}),
+            )
         )
         if advanced:
             if self.outer_round % self.config.run.eval_every_rounds == 0:
@@ -419,7 +425,7 @@ class LearningUnit:
             self.consensus_due.insert(0, number)
             return False
         self.consensus_sent[number] = payload
-        self.metrics.write("consensus_begin", fragment=number, inner_step=self.inner_step)
+        self.metrics.write(events.ConsensusBegin(fragment=number, inner_step=self.inner_step))
         return True
 
     def _end_consensus(self, number: int, outcome: RoundOutcome) -> None:
@@ -432,20 +438,21 @@ class LearningUnit:
             for tensors in (self.global_params, self.trainer.params):
                 assign(tensors, fragment, [now + delta for now, delta in zip(copies(tensors, fragment), fix)])
         self.metrics.write(
-            "consensus_round",
-            fragment=number,
-            group_size=outcome.group_size,
-            applied=usable and outcome.group_size > 1,
-            member_drift=outcome.member_drift,
-            seconds=outcome.finished_at - outcome.started_at,
-            error=outcome.error,
+            events.ConsensusRound(
+                fragment=number,
+                group_size=outcome.group_size,
+                applied=usable and outcome.group_size > 1,
+                member_drift=outcome.member_drift,
+                seconds=outcome.finished_at - outcome.started_at,
+                error=outcome.error,
+            )
         )
 
     # ------------------------------------------------------------------------------------ reporting, io
-    def _evaluate(self, reason: str) -> None:
+    def _evaluate(self, reason: events.EvalReason) -> None:
         with self.trainer.parameters_swapped(self.global_params):
             self.last_eval = self.trainer.evaluate(self.data.eval_batches)
-        self.metrics.write("eval", reason=reason, outer_round=self.outer_round, eval_loss=self.last_eval)
+        self.metrics.write(events.Eval(reason=reason, outer_round=self.outer_round, eval_loss=self.last_eval))
 
     def _publish_state(self) -> None:
         self.state_server.publish(
@@ -520,17 +527,18 @@ class LearningUnit:
             logger.info("exported the consensus model to %s", self.config.run.save_dir)
         now = time.time()
         self.metrics.write(
-            "stop",
-            inner_step=self.inner_step,
-            outer_round=self.outer_round,
-            tokens=self.tokens,
-            eval_loss=self.last_eval,
-            compute_s=self.ledger.compute_s,
-            useful_compute_s=self.ledger.useful_compute_s,
-            useful_tokens=self.ledger.useful_tokens,
-            allocated_s=self.ledger.allocated_s(now),
-            goodput=self.ledger.goodput(now),
-            **self._wire_fields(),
+            events.Stop(
+                inner_step=self.inner_step,
+                outer_round=self.outer_round,
+                tokens=self.tokens,
+                eval_loss=self.last_eval,
+                compute_s=self.ledger.compute_s,
+                useful_compute_s=self.ledger.useful_compute_s,
+                useful_tokens=self.ledger.useful_tokens,
+                allocated_s=self.ledger.allocated_s(now),
+                goodput=self.ledger.goodput(now),
+                **self._wire_fields(),
+            )
         )
 
     def _wire_fields(self) -> dict[str, int | None]:

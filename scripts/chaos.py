@@ -13,11 +13,13 @@ import argparse
 import sys
 from pathlib import Path
 
-from p2p_diloco.chaos.benchmark import METHODS, ChaosConfig, run_chaos_benchmark
-from p2p_diloco.chaos.namespaces import NamespaceError
-from p2p_diloco.chaos.schedule import FaultRates
-from p2p_diloco.chaos.script import run_benchmark
-from p2p_diloco.chaos.swarm_target import TrainingSetup
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the laboratory, bench/, lives in the checkout
+
+from bench.chaos.benchmark import METHODS, ChaosConfig, run_chaos_benchmark  # noqa: E402
+from bench.chaos.namespaces import NamespaceError  # noqa: E402
+from bench.chaos.schedule import FaultRates  # noqa: E402
+from bench.chaos.script import run_benchmark  # noqa: E402
+from bench.training import TrainingSetup  # noqa: E402
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -61,7 +63,7 @@ def _config(args: argparse.Namespace) -> ChaosConfig:
             bootstrap_crash_at_s=args.bootstrap_crash_at_s,
             bootstrap_down_s=args.bootstrap_down_s,
         ),
-        setup=TrainingSetup.shipped(args.inner_steps, args.eval_every_steps, args.seed),
+        setup=TrainingSetup(inner_steps=args.inner_steps, eval_every_steps=args.eval_every_steps, seed=args.seed),
         out_dir=args.out,
         methods=tuple(args.methods),
         start_after_s=args.start_after_s,

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Overhead of a learning unit's outer machinery on its inner step time, on an idle network (p2p_diloco/overhead.py).
+"""Overhead of a learning unit's outer machinery on its inner step time, on an idle network (bench/overhead.py).
 
     .venv/bin/python scripts/overhead.py --steps 400 --repeats 3 --out /tmp/overhead
 
@@ -13,7 +13,9 @@ import json
 import sys
 from pathlib import Path
 
-from p2p_diloco.overhead import VARIANTS, markdown, measure, plot, summary
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the laboratory, bench/, lives in the checkout
+
+from bench.overhead import VARIANTS, markdown, measure, plot, summary  # noqa: E402
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -15,10 +15,12 @@ import shlex
 import sys
 from pathlib import Path
 
-from p2p_diloco.chaos.namespaces import NamespaceError
-from p2p_diloco.chaos.script import run_benchmark
-from p2p_diloco.chaos.swarm_target import TrainingSetup
-from p2p_diloco.wan.benchmark import METHODS, RunFolderError, WanConfig, run_wan_benchmark
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the laboratory, bench/, lives in the checkout
+
+from bench.chaos.namespaces import NamespaceError  # noqa: E402
+from bench.chaos.script import run_benchmark  # noqa: E402
+from bench.training import TrainingSetup  # noqa: E402
+from bench.wan.benchmark import METHODS, RunFolderError, WanConfig, run_wan_benchmark  # noqa: E402
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -57,7 +59,7 @@ def _config(args: argparse.Namespace) -> WanConfig:
         budget_s=args.budget_s,
         seed=args.seed,
         rate_mbit=args.rate_mbit,
-        setup=TrainingSetup.shipped(args.inner_steps, args.eval_every_steps, args.seed),
+        setup=TrainingSetup(inner_steps=args.inner_steps, eval_every_steps=args.eval_every_steps, seed=args.seed),
         out_dir=args.out,
         methods=tuple(args.methods),
         fragments=args.fragments,

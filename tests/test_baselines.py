@@ -15,35 +15,37 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from swarm_harness import wait_until
 
-from p2p_diloco.chaos.gang import GangTarget, eval_points, kept_step_limits, unit_results
-from p2p_diloco.chaos.network import Loopback
-from p2p_diloco.chaos.swarm_target import TrainingSetup
+from bench.chaos.gang import GangTarget, eval_points, kept_step_limits, unit_results
+from bench.chaos.network import Loopback
+from bench.events import JobStart, RankCheckpoint, RankEval, RankFailed, RankStart, RankStep, RankStop, RendezvousStart
+from bench.swarm import wait_until
+from bench.training import TrainingSetup
 from p2p_diloco.config import InnerSection
-from p2p_diloco.demo import CORPUS, TINY_MODEL
+from p2p_diloco.events import E, read_events
 from p2p_diloco.inner import InnerTrainer
 from p2p_diloco.lifecycle import descendant_pids, is_running
-from p2p_diloco.metrics import read_events
 
 
 # ------------------------------------------------------------------------------------ goodput reconstruction
-def _start(incarnation: int, resumed_step: int, world_size: int = 2) -> dict:
-    return {"event": "start", "incarnation": incarnation, "resumed_step": resumed_step, "world_size": world_size}
+def _start(incarnation: int, resumed_step: int, world_size: int = 2) -> RankStart:
+    return RankStart(
+        incarnation=incarnation, rank=0, world_size=world_size, resumed_step=resumed_step, tokens_in_model=0
+    )
 
 
 SHM = "torch_shm_manager"
 
 
-def _steps(incarnation: int, first: int, last: int, compute_s: float = 1.0, tokens: int = 10) -> list[dict]:
+def _steps(incarnation: int, first: int, last: int, compute_s: float = 1.0, tokens: int = 10) -> list[RankStep]:
     return [
-        {"event": "step", "incarnation": incarnation, "step": step, "compute_s": compute_s, "tokens": tokens}
+        RankStep(incarnation=incarnation, step=step, compute_s=compute_s, sync_s=0.0, tokens=tokens, loss=1.0)
         for step in range(first, last + 1)
     ]
 
 
-def _checkpoint(incarnation: int, step: int) -> dict:
-    return {"event": "checkpoint", "incarnation": incarnation, "step": step}
+def _checkpoint(incarnation: int, step: int) -> RankCheckpoint:
+    return RankCheckpoint(incarnation=incarnation, step=step)
 
 
 def test_a_job_that_ran_and_stopped_gracefully_keeps_every_step() -> None:
@@ -97,12 +99,11 @@ def test_no_events_means_no_compute() -> None:
 
 
 def test_eval_points_are_rank_zeros_evals_in_time_order_without_non_finite_losses() -> None:
-    evals = [
-        {"event": "eval", "time": 105.0, "tokens_in_model": 200, "eval_loss": 5.0},
-        {"event": "eval", "time": 102.0, "tokens_in_model": 100, "eval_loss": 6.0},
-        {"event": "eval", "time": 103.0, "tokens_in_model": 150, "eval_loss": None},
-        {"event": "step", "time": 104.0},
-    ]
+    def rank_eval(at: float, tokens: int, loss: float | None) -> RankEval:
+        return RankEval(time=at, step=1, tokens_in_model=tokens, eval_loss=loss, final=False, incarnation=0)
+
+    evals = [rank_eval(105.0, 200, 5.0), rank_eval(102.0, 100, 6.0), rank_eval(103.0, 150, None)]
+    evals.append(_steps(0, 1, 1)[0])
     points = eval_points(evals, started_at=100.0)
     assert [(point.wall_s, point.tokens, point.eval_loss) for point in points] == [(2.0, 100, 6.0), (5.0, 200, 5.0)]
 
@@ -185,17 +186,17 @@ def test_non_finite_synchronized_gradients_skip_the_update_on_every_rank() -> No
 def test_a_rank_does_not_import_hivemind() -> None:
     # hivemind switches torch's tensor sharing to file_system: a rank SIGTERMed while datasets opens the corpus then
     # hangs in the shared-memory manager's handshake (and every start pays for the manager)
-    code = "import sys, p2p_diloco.chaos.baseline_worker; assert 'hivemind' not in sys.modules"
+    code = "import sys, bench.chaos.baseline_worker; assert 'hivemind' not in sys.modules"
     assert subprocess.run([sys.executable, "-c", code], timeout=120).returncode == 0
 
 
-def _events(run_dir: Path, unit: int, kind: str) -> list[dict]:
-    return [event for event in read_events(run_dir / f"unit{unit}" / "metrics.jsonl") if event["event"] == kind]
+def _events(run_dir: Path, unit: int, kind: type[E]) -> list[E]:
+    return read_events(run_dir / f"unit{unit}" / "metrics.jsonl", kind)
 
 
 @pytest.mark.swarm
 def test_fixed_gang_restarts_every_rank_from_the_checkpoint_once_the_crashed_unit_is_back(tmp_path: Path) -> None:
-    setup = TrainingSetup(model_config=TINY_MODEL, dataset=CORPUS, seq_len=32, batch_size=4, eval_every_steps=10)
+    setup = TrainingSetup(seq_len=32, batch_size=4, eval_every_steps=10)
     target = GangTarget(
         "sync-dp", "sync-dp", "fixed", 2, tmp_path, Loopback(), setup, budget_s=30.0, checkpoint_every_steps=3
     )
@@ -210,7 +211,7 @@ def test_fixed_gang_restarts_every_rank_from_the_checkpoint_once_the_crashed_uni
     finished = False
     try:
         target.start()
-        wait_until(ticked(lambda: _events(tmp_path, 0, "checkpoint")), 90, "incarnation 0 to checkpoint")
+        wait_until(ticked(lambda: _events(tmp_path, 0, RankCheckpoint)), 90, "incarnation 0 to checkpoint")
         assert target.crash(1)
         wait_until(ticked(lambda: target.job is None), 30, "the gang to kill the failed incarnation")
         target.tick()
@@ -220,27 +221,27 @@ def test_fixed_gang_restarts_every_rank_from_the_checkpoint_once_the_crashed_uni
         assert target.job is not None and target.job.incarnation == 1
 
         def restarted() -> bool:
-            return all(any(event["incarnation"] == 1 for event in _events(tmp_path, unit, "step")) for unit in (0, 1))
+            return all(any(event.incarnation == 1 for event in _events(tmp_path, unit, RankStep)) for unit in (0, 1))
 
         wait_until(ticked(restarted), 90, "both ranks of incarnation 1 to train")
-        starts = [event for unit in (0, 1) for event in _events(tmp_path, unit, "start") if event["incarnation"] == 1]
-        checkpoints = [event["step"] for event in _events(tmp_path, 0, "checkpoint") if event["incarnation"] == 0]
-        assert sorted(event["rank"] for event in starts) == [0, 1]
-        assert {(event["world_size"], event["resumed_step"]) for event in starts} == {(2, max(checkpoints))}
+        starts = [event for unit in (0, 1) for event in _events(tmp_path, unit, RankStart) if event.incarnation == 1]
+        checkpoints = [event.step for event in _events(tmp_path, 0, RankCheckpoint) if event.incarnation == 0]
+        assert sorted(event.rank for event in starts) == [0, 1]
+        assert {(event.world_size, event.resumed_step) for event in starts} == {(2, max(checkpoints))}
         assert max(checkpoints) > 0
         target.finish()
         finished = True
     finally:
         if not finished:
             target.finish()
-    gang = read_events(tmp_path / "gang.jsonl")
-    pids = [int(pid) for event in gang if event["event"] == "job_start" for pid in event["pids"].split()]
-    pids += [event["pid"] for event in gang if event["event"] == "rendezvous_start"]
+    gang = tmp_path / "gang.jsonl"
+    pids = [int(pid) for event in read_events(gang, JobStart) for pid in event.pids.split()]
+    pids += [event.pid for event in read_events(gang, RendezvousStart)]
     # torch's shared-memory daemon (started by any in-process averager of an earlier test) lives as long as pytest
     started = [pid for pid in descendant_pids(os.getpid()) if SHM not in Path(f"/proc/{pid}/cmdline").read_text()]
     assert len(pids) == 5 and not [pid for pid in pids if is_running(pid)] and not started
-    assert not [event for unit in (0, 1) for event in _events(tmp_path, unit, "failed") if event["incarnation"] == 1]
-    assert [event["rank"] for unit in (0, 1) for event in _events(tmp_path, unit, "stop")] == [0, 1]
+    assert not [event for unit in (0, 1) for event in _events(tmp_path, unit, RankFailed) if event.incarnation == 1]
+    assert [event.rank for unit in (0, 1) for event in _events(tmp_path, unit, RankStop)] == [0, 1]
     result = target.result()
     assert all(0 < unit.useful_compute_s <= unit.compute_s for unit in result.units)
     assert result.final_eval_loss is not None and result.evals[0].tokens == 0

@@ -9,11 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from p2p_diloco.chaos.harness import run_schedule
-from p2p_diloco.chaos.report import equal_tokens, loss_at_tokens, write_report
-from p2p_diloco.chaos.results import EvalPoint, MethodResult, UnitResult
-from p2p_diloco.chaos.schedule import Fault, FaultRates, fraction_with_any_unit_down, poisson_schedule
-from p2p_diloco.chaos.swarm_target import time_breakdown
+from bench.chaos.harness import run_schedule
+from bench.chaos.report import equal_tokens, loss_at_tokens, write_report
+from bench.chaos.results import EvalPoint, MethodResult, UnitResult
+from bench.chaos.schedule import Fault, FaultRates, fraction_with_any_unit_down, poisson_schedule
+from bench.chaos.swarm_target import time_breakdown
+from bench.events import FaultAction
+from p2p_diloco.events import Join, read_events
 from p2p_diloco.goodput import LEDGER_FILE, GoodputLedger
 from p2p_diloco.metrics import MetricsLog
 
@@ -136,10 +138,9 @@ def test_executor_applies_begin_and_end_actions_in_time_and_logs_them(tmp_path: 
         ("heal", 2),
         ("finish", None),
     ]
-    logged = [json.loads(line) for line in (tmp_path / "schedule.jsonl").read_text().splitlines()]
-    faults = [event for event in logged if event["event"] == "fault"]
-    assert len(faults) == 8 and all(event["actual_s"] >= event["planned_s"] for event in faults[:7])
-    assert faults[0]["pids"] == "1234" and faults[2]["pids"] is None
+    faults = read_events(tmp_path / "schedule.jsonl", FaultAction)
+    assert len(faults) == 8 and all(event.actual_s >= event.planned_s for event in faults[:7])
+    assert faults[0].pids == "1234" and faults[2].pids is None
 
 
 def _result(method: str, points: list[tuple[int, float]], useful: float) -> MethodResult:
@@ -166,9 +167,11 @@ def test_time_breakdown_accounts_for_every_allocated_second(tmp_path: Path) -> N
     unit_dir = tmp_path / "unit0"
     unit_dir.mkdir()
     GoodputLedger(allocated_since=1000, compute_s=70.0, useful_compute_s=66.0).save(unit_dir / LEDGER_FILE)
-    (unit_dir / "metrics.jsonl").write_text("\n".join(json.dumps({"time": t, "event": "join"}) for t in (1005, 1034)))
+    with MetricsLog(unit_dir / "metrics.jsonl") as log:
+        for at in (1005, 1034):
+            log.write(Join(time=at, peer_id="a", source="swarm", outer_round=1, fingerprint="f", multiaddrs=""))
     faults = [
-        {"event": "fault", "unit": 0, "kind": kind, "phase": phase, "time": time}
+        FaultAction(time=time, method="ours", unit=0, kind=kind, phase=phase, planned_s=0, actual_s=0, pids=None)
         for kind, phase, time in [
             ("crash", "begin", 1020),
             ("crash", "end", 1030),

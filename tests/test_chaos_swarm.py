@@ -1,4 +1,4 @@
-"""Chaos on real swarms (separate processes on 127.0.0.1, see swarm_harness.py): a unit's whole process tree
+"""Chaos on real swarms (separate processes on 127.0.0.1, see bench/swarm.py): a unit's whole process tree
 SIGKILLed while its all-reduce is in flight, then restarted; a unit frozen (SIGSTOP) in the middle of an
 all-reduce; the bootstrap node killed.
 
@@ -12,10 +12,12 @@ import time
 from pathlib import Path
 
 import pytest
-from swarm_harness import Swarm, wait_until
+from swarms import close_leaving_nothing, quick_swarm
 from test_swarm import HEALED_DRIFT_BOUND, assert_joined_from_swarm
 
-from p2p_diloco.lifecycle import is_running, kill_process_tree
+from bench.swarm import Swarm
+from p2p_diloco.events import InnerStep, OuterRound, OuterRoundBegin, OuterRoundFailed, read_events
+from p2p_diloco.lifecycle import is_running
 
 pytestmark = pytest.mark.swarm
 
@@ -60,31 +62,24 @@ def round_bound_s(grace_s: float) -> float:
 
 @pytest.fixture
 def swarm(tmp_path: Path):
-    swarm = Swarm(tmp_path)
+    swarm = quick_swarm(tmp_path)
     yield swarm
-    pids = swarm.live_pids() | swarm.faulted_pids
-    swarm.close()  # thaws frozen trees first
-    try:
-        wait_until(lambda: not any(is_running(pid) for pid in pids), GONE_S, "every process of the swarm to exit")
-    except AssertionError:
-        survivors = [pid for pid in pids if is_running(pid)]
-        for pid in survivors:
-            kill_process_tree(pid)
-        raise AssertionError(f"processes outlived the swarm: {survivors}") from None
+    close_leaving_nothing(swarm, GONE_S)
 
 
-def ends(swarm: Swarm, name: str, after: float) -> list[dict]:
-    """The round outcomes (merged or failed) ``name`` recorded after ``after``."""
-    return [e for e in swarm.events(name) if e["event"] in ("outer_round", "outer_round_failed") and e["time"] > after]
+def ends(swarm: Swarm, name: str, after: float) -> list[OuterRound | OuterRoundFailed]:
+    """The round outcomes (merged or failed) ``name`` recorded after ``after``, in order."""
+    events = read_events(swarm.root / name / "metrics.jsonl", OuterRound, OuterRoundFailed)
+    return [event for event in events if event.time > after]
 
 
-def began(event: dict) -> float:
+def began(event: OuterRound) -> float:
     """When the round of an ``outer_round`` event began."""
-    return event["time"] - event["seconds"]
+    return event.time - event.seconds
 
 
 def all_in_a_group_of(swarm: Swarm, names: tuple[str, ...], size: int) -> bool:
-    return all(any(r["group_size"] == size for r in swarm.rounds(name)) for name in names)
+    return all(any(r.group_size == size for r in swarm.rounds(name)) for name in names)
 
 
 def wait_until_allreduce_in_flight(swarm: Swarm, target: str, units: tuple[str, ...], grace_s: float) -> float:
@@ -96,18 +91,18 @@ def wait_until_allreduce_in_flight(swarm: Swarm, target: str, units: tuple[str, 
     """
     ready_at = time.time()
     begin = swarm.wait_for(
-        lambda: [e for e in swarm.events(target, "outer_round_begin") if e["time"] > ready_at],
+        lambda: swarm.events(target, OuterRoundBegin, after=ready_at),
         round_bound_s(grace_s),
         f"{target} to begin its next round",
     )[0]
     starts = [
-        e["scheduled_at"]
+        e.scheduled_at
         for name in units
-        for e in swarm.events(name, "outer_round_begin")
-        if begin["time"] - begin["window_s"] <= e["time"] <= begin["time"]
+        for e in swarm.events(name, OuterRoundBegin)
+        if begin.time - begin.window_s <= e.time <= begin.time
     ]
-    last = [r for r in swarm.rounds(target) if r["time"] < begin["time"]][-1]
-    delay = min(max(MIN_STRIKE_DELAY_S, (last["seconds"] - begin["window_s"]) / 2), MAX_STRIKE_DELAY_S)
+    last = [r for r in swarm.rounds(target) if r.time < begin.time][-1]
+    delay = min(max(MIN_STRIKE_DELAY_S, (last.seconds - begin.window_s) / 2), MAX_STRIKE_DELAY_S)
     time.sleep(max(0.0, min(starts) + delay - time.time()))  # a deadline from the events, not a guess
     return delay
 
@@ -119,13 +114,13 @@ def test_unit_killed_during_allreduce_then_restarted(swarm: Swarm) -> None:
     maddr = swarm.bootstrap("bootstrap")
     units, survivors = ("a", "b", "victim"), ("a", "b")
     for name in units:
-        swarm.peer(name, maddr, *chaos_flags(GRACE_S))
+        swarm.unit(name, [maddr], *chaos_flags(GRACE_S))
     swarm.wait_for(lambda: all_in_a_group_of(swarm, units, 3), STARTUP_S, "the three units to average in one group")
 
     kill_delay = wait_until_allreduce_in_flight(swarm, "victim", units, GRACE_S)
     killed_at = time.time()
     pids = swarm.kill_tree("victim")
-    step_at_kill = {name: swarm.events(name, "inner_step")[-1]["step"] for name in survivors}
+    step_at_kill = {name: swarm.events(name, InnerStep)[-1].step for name in survivors}
     assert len(pids) >= MIN_UNIT_TREE, pids
     swarm.wait_for(lambda: not any(is_running(pid) for pid in pids), GONE_S, "the victim's whole tree to exit")
 
@@ -138,46 +133,47 @@ def test_unit_killed_during_allreduce_then_restarted(swarm: Swarm) -> None:
     landed = []
     for name in survivors:
         end = ends(swarm, name, killed_at)[0]
-        own_begin = [e for e in swarm.events(name, "outer_round_begin") if e["time"] < end["time"]][-1]
-        took = end["time"] - own_begin["time"]
-        assert took <= own_begin["window_s"] + ALLREDUCE_TIMEOUT_S + MARGIN_S, (end, own_begin)
+        own_begin = [e for e in swarm.events(name, OuterRoundBegin) if e.time < end.time][-1]
+        took = end.time - own_begin.time
+        assert took <= own_begin.window_s + ALLREDUCE_TIMEOUT_S + MARGIN_S, (end, own_begin)
         log = (swarm.root / name / "stdout.log").read_text().splitlines()
         partial = [line.split(": ", 1)[1] for line in log if "hivemind.averaging.partition" in line]
         # group_size 3: the victim was in the group, so the kill hit its all-reduce (partial results are logged);
         # 2: the survivors regrouped without it (the kill came first); 1 or failed: the round lost its group.
-        landed.append(f"{name}: {end['event']} of {end.get('group_size')} after {took:.1f} s {partial}")
+        size = end.group_size if isinstance(end, OuterRound) else None
+        landed.append(f"{name}: {end.event} of {size} after {took:.1f} s {partial}")
 
     # They keep training: inner steps go on and further rounds form without the victim (2, or 1 if out of phase).
     def trained_on() -> bool:
         return all(
-            len(later := swarm.rounds(name, after=ends(swarm, name, killed_at)[0]["time"])) >= 2
-            and any(r["group_size"] == 2 for r in later)
-            and later[-1]["outer_round"] >= 3  # assert_joined_from_swarm wants a swarm at round 3 or later
-            and swarm.events(name, "inner_step")[-1]["step"] > step_at_kill[name]
+            len(later := swarm.rounds(name, after=ends(swarm, name, killed_at)[0].time)) >= 2
+            and any(r.group_size == 2 for r in later)
+            and later[-1].outer_round >= 3  # assert_joined_from_swarm wants a swarm at round 3 or later
+            and swarm.events(name, InnerStep)[-1].step > step_at_kill[name]
             for name in survivors
         )
 
     swarm.wait_for(trained_on, SETTLE_S, "the survivors to complete two more rounds, one of them together")
-    first_after = {name: swarm.rounds(name, after=ends(swarm, name, killed_at)[0]["time"]) for name in survivors}
+    first_after = {name: swarm.rounds(name, after=ends(swarm, name, killed_at)[0].time) for name in survivors}
     for name, later in first_after.items():
-        assert all(r["group_size"] <= 2 for r in later), later  # a dead unit is never in a group again
+        assert all(r.group_size <= 2 for r in later), later  # a dead unit is never in a group again
         assert swarm.processes[name].poll() is None
-    drift = max(later[0]["member_drift"] for later in first_after.values())
+    drift = max(later[0].member_drift for later in first_after.values())
     print(f"killed {kill_delay:.2f} s after the all-reduce start: " + "; ".join(landed))
     print(f"the survivors' drift at their next round: {drift:.3g}")
 
     # Restarted on the same work dir, it rejoins from the swarm's state and comes back into consensus.
     restarted_at = time.time()
-    swarm.peer("victim", maddr, *chaos_flags(GRACE_S))
+    swarm.unit("victim", [maddr], *chaos_flags(GRACE_S))
     assert_joined_from_swarm(swarm, "victim", donors=survivors, after=restarted_at)
 
-    def consensus_round() -> dict | None:
-        rounds = [r for r in swarm.rounds("victim", after=restarted_at) if r["group_size"] == 3]
-        return next((r for r in rounds if r["member_drift"] < HEALED_DRIFT_BOUND), None)
+    def consensus_round() -> OuterRound | None:
+        rounds = [r for r in swarm.rounds("victim", after=restarted_at) if r.group_size == 3]
+        return next((r for r in rounds if r.member_drift < HEALED_DRIFT_BOUND), None)
 
     healed = swarm.wait_for(consensus_round, SETTLE_S, f"a round of all three with drift < {HEALED_DRIFT_BOUND}")
-    sizes = [(r["group_size"], f"{r['member_drift']:.2g}") for r in swarm.rounds("victim", after=restarted_at)]
-    print(f"after the restart (group size, drift): {sizes}; consensus at round {healed['outer_round']}")
+    sizes = [(r.group_size, f"{r.member_drift:.2g}") for r in swarm.rounds("victim", after=restarted_at)]
+    print(f"after the restart (group size, drift): {sizes}; consensus at round {healed.outer_round}")
 
 
 def test_frozen_unit_does_not_stall_the_others(swarm: Swarm) -> None:
@@ -187,15 +183,15 @@ def test_frozen_unit_does_not_stall_the_others(swarm: Swarm) -> None:
     maddr = swarm.bootstrap("bootstrap")
     units, others = ("a", "b", "straggler"), ("a", "b")
     for name in units:
-        swarm.peer(name, maddr, *chaos_flags(STRAGGLER_GRACE_S))
+        swarm.unit(name, [maddr], *chaos_flags(STRAGGLER_GRACE_S))
     swarm.wait_for(lambda: all_in_a_group_of(swarm, units, 3), STARTUP_S, "the three units to average in one group")
 
     strike_delay = wait_until_allreduce_in_flight(swarm, "straggler", units, STRAGGLER_GRACE_S)
     frozen_at = time.time()
     swarm.freeze("straggler")
 
-    def paired_rounds(name: str) -> list[dict]:
-        return [r for r in swarm.rounds(name, after=frozen_at) if began(r) > frozen_at and r["group_size"] == 2]
+    def paired_rounds(name: str) -> list[OuterRound]:
+        return [r for r in swarm.rounds(name, after=frozen_at) if began(r) > frozen_at and r.group_size == 2]
 
     # The freeze lasts FREEZE_S, and until the others completed a round together (a bound, not a guess).
     swarm.wait_for(
@@ -208,19 +204,19 @@ def test_frozen_unit_does_not_stall_the_others(swarm: Swarm) -> None:
 
     report = []
     for name in others:
-        steps = [e["time"] for e in swarm.events(name, "inner_step") if e["time"] <= thawed_at]
+        steps = [e.time for e in swarm.events(name, InnerStep) if e.time <= thawed_at]
         during = [t for t in steps if t > frozen_at]
         before = [t for t in steps if t <= frozen_at][-1:]
         times = before + during + [thawed_at]
         gap = max(later - earlier for earlier, later in zip(times, times[1:]))
         assert gap < STRAGGLER_GRACE_S, f"{name}'s inner loop paused {gap:.1f} s during the freeze"
-        rounds = [r for r in swarm.rounds(name, after=frozen_at) if r["time"] <= thawed_at]
-        failed = [e for e in swarm.events(name, "outer_round_failed") if frozen_at < e["time"] <= thawed_at]
+        rounds = [r for r in swarm.rounds(name, after=frozen_at) if r.time <= thawed_at]
+        failed = [e for e in swarm.events(name, OuterRoundFailed) if frozen_at < e.time <= thawed_at]
         for r in rounds:
-            assert r["seconds"] <= STALLED_ROUND_S, r
-            assert r["group_size"] <= 2 or began(r) < frozen_at, r  # a frozen unit joins no new group
+            assert r.seconds <= STALLED_ROUND_S, r
+            assert r.group_size <= 2 or began(r) < frozen_at, r  # a frozen unit joins no new group
         report.append(
-            f"{name}: rounds {[(r['group_size'], round(r['seconds'], 1)) for r in rounds]}, "
+            f"{name}: rounds {[(r.group_size, round(r.seconds, 1)) for r in rounds]}, "
             f"{len(failed)} failed, longest inner_step gap {gap:.2f} s"
         )
     print(f"froze {strike_delay:.2f} s after the all-reduce start, for {thawed_at - frozen_at:.0f} s")
@@ -228,13 +224,13 @@ def test_frozen_unit_does_not_stall_the_others(swarm: Swarm) -> None:
 
     # Thawed, it trains on and averages with the others again.
     swarm.wait_for(
-        lambda: any(r["group_size"] == 3 for r in swarm.rounds("straggler", after=thawed_at)),
+        lambda: any(r.group_size == 3 for r in swarm.rounds("straggler", after=thawed_at)),
         SETTLE_S,
         "the straggler to average with both others after the thaw",
     )
-    assert [e for e in swarm.events("straggler", "inner_step") if e["time"] > thawed_at]
+    assert [e for e in swarm.events("straggler", InnerStep) if e.time > thawed_at]
     after_thaw = ends(swarm, "straggler", thawed_at)
-    print("after the thaw: " + ", ".join(f"{e['event']}({e.get('group_size')})" for e in after_thaw))
+    print("after the thaw: " + ", ".join(f"{e.event}({getattr(e, 'group_size', None)})" for e in after_thaw))
 
 
 def test_swarm_outlives_its_bootstrap_node(swarm: Swarm) -> None:
@@ -243,7 +239,7 @@ def test_swarm_outlives_its_bootstrap_node(swarm: Swarm) -> None:
     maddr = swarm.bootstrap("bootstrap")
     units = ("a", "b")
     for name in units:
-        swarm.peer(name, maddr, *chaos_flags(GRACE_S))
+        swarm.unit(name, [maddr], *chaos_flags(GRACE_S))
     swarm.wait_for(lambda: all_in_a_group_of(swarm, units, 2), STARTUP_S, "the two units to average together")
 
     killed_at = time.time()
@@ -251,21 +247,21 @@ def test_swarm_outlives_its_bootstrap_node(swarm: Swarm) -> None:
     assert len(pids) >= 4, pids  # main process, watchdog, DHT, p2pd
     swarm.wait_for(lambda: not any(is_running(pid) for pid in pids), GONE_S, "the bootstrap's DHT and p2pd to exit")
 
-    def together(name: str) -> list[dict]:
-        return [r for r in swarm.rounds(name, after=killed_at) if began(r) > killed_at and r["group_size"] == 2]
+    def together(name: str) -> list[OuterRound]:
+        return [r for r in swarm.rounds(name, after=killed_at) if began(r) > killed_at and r.group_size == 2]
 
     swarm.wait_for(
-        lambda: all(len(together(name)) >= 2 and together(name)[-1]["outer_round"] >= 3 for name in units),
+        lambda: all(len(together(name)) >= 2 and together(name)[-1].outer_round >= 3 for name in units),
         SETTLE_S,
         "the two units to complete two rounds together without the bootstrap",
     )
 
     address = swarm.join_address("a")
     joined_at = time.time()
-    swarm.peer("c", address, *chaos_flags(GRACE_S))
+    swarm.unit("c", [address], *chaos_flags(GRACE_S))
     assert_joined_from_swarm(swarm, "c", donors=units, after=joined_at)
     swarm.wait_for(
-        lambda: any(r["group_size"] == 3 for r in swarm.rounds("c", after=joined_at)),
+        lambda: any(r.group_size == 3 for r in swarm.rounds("c", after=joined_at)),
         SETTLE_S,
         "the new unit to average with both others",
     )

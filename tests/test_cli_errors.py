@@ -9,9 +9,10 @@ import time
 from pathlib import Path
 
 import pytest
-from swarm_harness import Swarm
+from swarms import quick_swarm
 
-from p2p_diloco.demo import CORPUS, TINY_MODEL
+from p2p_diloco.events import Join
+from p2p_diloco.presets import CORPUS, TINY_MODEL
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 UNREACHABLE = "/ip4/127.0.0.1/tcp/9/p2p/QmTabXVwgtEVWSWAHrsg2eYXD65Laf44CqQh96Hpmjd4UB"
@@ -101,11 +102,11 @@ def test_peer_with_another_model_is_refused(tmp_path: Path, work_dirs: dict[str,
     config = (TINY_MODEL / "config.json").read_text().replace('"n_layer": 2', '"n_layer": 3')
     assert config != (TINY_MODEL / "config.json").read_text()
     (other / "config.json").write_text(config)
-    swarm = Swarm(tmp_path / "swarm")
+    swarm = quick_swarm(tmp_path / "swarm")
     try:
         maddr = swarm.bootstrap("bootstrap")
-        swarm.peer("member", maddr)
-        swarm.wait_for(lambda: swarm.events("member", "join"), timeout_s=90, what="the first peer to join")
+        swarm.unit("member", [maddr])
+        swarm.wait_for(lambda: swarm.events("member", Join), timeout_s=90, what="the first peer to join")
         result = join(
             *flags(work_dirs, **{"--model-config": str(other), "--tokenizer": str(TINY_MODEL)}),
             "--initial-peers",
@@ -115,7 +116,7 @@ def test_peer_with_another_model_is_refused(tmp_path: Path, work_dirs: dict[str,
         )
         assert_user_error(result, "fingerprint")
         assert_untouched(work_dirs)
-        assert all(r["group_size"] == 1 for r in swarm.rounds("member"))
+        assert all(r.group_size == 1 for r in swarm.rounds("member"))
     finally:
         swarm.close()
 

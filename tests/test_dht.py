@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 from hivemind.p2p import P2P, PeerID
-from swarm_harness import wait_until
 
+from bench.swarm import wait_until
 from p2p_diloco.config import NetworkSection
 from p2p_diloco.dht import (
     NetworkError,

@@ -56,7 +56,7 @@ def test_outer_step_matches_torch_sgd_over_several_steps(lr: float, momentum: fl
 def test_outer_step_does_not_modify_inputs() -> None:
     phi, m, delta = _tensors(1), _tensors(2), _tensors(3)
     copies = [[t.clone() for t in tensors] for tensors in (phi, m, delta)]
-    outer_step(phi, m, delta, OuterHyperparams())
+    outer_step(phi, m, delta, OuterHyperparams(lr=0.7, momentum=0.9, nesterov=True))
     for original, copied in zip((phi, m, delta), copies):
         _assert_lists_close(original, copied, atol=0.0)
 

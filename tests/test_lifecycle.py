@@ -11,8 +11,8 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from swarm_harness import wait_until
 
+from bench.swarm import wait_until
 from p2p_diloco.lifecycle import group_pids, is_running
 
 pytestmark = pytest.mark.swarm

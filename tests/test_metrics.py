@@ -11,7 +11,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
+from p2p_diloco.events import Eval, Event, InnerStep, read_events
 from p2p_diloco.metrics import MetricsLog, ProgressBars, Throughput, configure_logging
 
 
@@ -19,40 +21,78 @@ def _lines(path: Path) -> list[dict[str, object]]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+class _Step(Event):
+    """A kind of this test's own (as the laboratory defines its kinds)."""
+
+    event = "step"
+    writer: str
+    index: int
+    padding: str = ""
+
+
 def test_metrics_log_writes_one_json_object_per_line(tmp_path: Path) -> None:
     path = tmp_path / "deep" / "metrics.jsonl"
     before = time.time()
     with MetricsLog(path) as log:
-        log.write("inner_step", step=1, loss=2.5, peer="abc", eval_loss=None)
+        log.write(InnerStep(step=1, loss=2.5, seconds=0.25))
         assert _lines(path)[0]["step"] == 1, "lines are flushed as they are written"
-        log.write("outer_round", group_size=3)
+        log.write(Eval(reason="join", outer_round=0, eval_loss=None))
     records = _lines(path)
-    assert [record["event"] for record in records] == ["inner_step", "outer_round"]
+    assert [record["event"] for record in records] == ["inner_step", "eval"]
     first = {key: value for key, value in records[0].items() if key != "time"}
-    assert first == {"event": "inner_step", "step": 1, "loss": 2.5, "peer": "abc", "eval_loss": None}
+    assert first == {"event": "inner_step", "step": 1, "loss": 2.5, "seconds": 0.25}
     assert before <= records[0]["time"] <= records[1]["time"] <= time.time()
 
 
 def test_metrics_log_appends_and_writes_strict_json(tmp_path: Path) -> None:
     path = tmp_path / "metrics.jsonl"
     with MetricsLog(path) as log:
-        log.write("a", loss=float("nan"))
+        log.write(InnerStep(step=1, loss=float("nan"), seconds=1.0))
     with MetricsLog(path) as log:
-        log.write("b", loss=float("inf"))
+        log.write(InnerStep(step=2, loss=float("inf"), seconds=1.0))
     records = [json.loads(line, parse_constant=pytest.fail) for line in path.read_text().splitlines()]
-    assert [(record["event"], record["loss"]) for record in records] == [("a", None), ("b", None)]
+    assert [(record["step"], record["loss"]) for record in records] == [(1, None), (2, None)]
 
 
-def test_metrics_log_rejects_reserved_fields_and_writes_after_close(tmp_path: Path) -> None:
+def test_metrics_log_refuses_writes_after_close(tmp_path: Path) -> None:
     log = MetricsLog(tmp_path / "metrics.jsonl")
-    with pytest.raises(ValueError):
-        log.write("x", time=1.0)
-    with pytest.raises(ValueError):
-        log.write("x", event="y")
     log.close()
     log.close()
     with pytest.raises(ValueError):
-        log.write("x")
+        log.write(InnerStep(step=1, loss=1.0, seconds=1.0))
+
+
+def test_an_event_refuses_unknown_and_missing_fields() -> None:
+    with pytest.raises(ValidationError):
+        InnerStep(step=1, loss=1.0, seconds=1.0, peer="abc")  # type: ignore[call-arg]
+    with pytest.raises(ValidationError):
+        InnerStep(step=1, loss=1.0)  # type: ignore[call-arg]
+
+
+def test_read_events_gives_back_the_kinds_asked_for_in_file_order(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    written = [
+        InnerStep(step=10, loss=float("nan"), seconds=0.5),
+        Eval(reason="outer_round", outer_round=1, eval_loss=4.5),
+        InnerStep(step=20, loss=3.0, seconds=0.5),
+    ]
+    with MetricsLog(path) as log:
+        for event in written:
+            log.write(event)
+    with path.open("a") as file:
+        file.write('{"time": 1.0, "event": "inner_st')  # a line cut short by a kill
+    steps = read_events(path, InnerStep)
+    assert [(step.step, step.loss) for step in steps] == [(10, None), (20, 3.0)]
+    assert read_events(path, Eval) == [written[1]]
+    assert [type(event) for event in read_events(path, Eval, InnerStep)] == [InnerStep, Eval, InnerStep]
+    assert read_events(tmp_path / "missing.jsonl", InnerStep) == []
+
+
+def test_read_events_names_the_line_of_an_event_whose_fields_changed(tmp_path: Path) -> None:
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"time": 1.0, "event": "inner_step", "step": 1, "loss": 1.0}\n')  # no "seconds"
+    with pytest.raises(ValueError, match="metrics.jsonl:1"):
+        read_events(path, InnerStep)
 
 
 def test_metrics_log_lines_from_threads_do_not_interleave(tmp_path: Path) -> None:
@@ -61,17 +101,17 @@ def test_metrics_log_lines_from_threads_do_not_interleave(tmp_path: Path) -> Non
 
         def writer(name: str) -> None:
             for index in range(200):
-                log.write("step", writer=name, index=index, padding="x" * 500)
+                log.write(_Step(writer=name, index=index, padding="x" * 500))
 
         threads = [threading.Thread(target=writer, args=(str(number),)) for number in range(4)]
         for thread in threads:
             thread.start()
         for thread in threads:
             thread.join()
-    records = _lines(path)
+    records = read_events(path, _Step)
     assert len(records) == 800
     for name in "0123":
-        assert [record["index"] for record in records if record["writer"] == name] == list(range(200))
+        assert [record.index for record in records if record.writer == name] == list(range(200))
 
 
 def test_progress_bars_show_postfix(capsys: pytest.CaptureFixture[str]) -> None:

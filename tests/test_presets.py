@@ -11,14 +11,16 @@ from pathlib import Path
 import pytest
 
 from p2p_diloco.config import PeerConfig, load_config, load_network_section
+from p2p_diloco.presets import PRESETS as SHIPPED_PRESETS
 
 ROOT = Path(__file__).resolve().parents[1]
 BOOTSTRAP_TOML = ROOT / "bootstrap" / "bootstrap.toml"
 PRESETS = sorted((ROOT / "peers" / "configs").glob("*.toml"))
 
 
-def test_the_three_presets_are_shipped():
-    assert {path.stem for path in PRESETS} >= {"tiny", "cpu", "gpu"}
+def test_the_presets_are_shipped():
+    assert {path.stem for path in PRESETS} >= {"cpu", "gpu"}
+    assert "tiny" in SHIPPED_PRESETS
 
 
 @pytest.mark.parametrize("path", PRESETS, ids=lambda path: path.stem)
@@ -36,13 +38,24 @@ def test_bootstrap_toml_loads_as_a_network_section():
     assert network.initial_peers == []
 
 
-def test_tiny_preset_paths_exist_relative_to_the_repository_root():
-    config = load_config(toml_path=ROOT / "peers" / "configs" / "tiny.toml")
+def test_the_tiny_preset_names_the_shipped_model_and_corpus_from_any_folder(tmp_path: Path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    config = load_config(preset="tiny")
     assert config.model.model_config_path is not None
-    assert (ROOT / config.model.model_config_path / "config.json").is_file()
-    assert (ROOT / config.model.model_config_path / "tokenizer.json").is_file()
-    assert (ROOT / config.data.dataset).is_dir()
-    assert any((ROOT / config.data.dataset).iterdir())
+    assert (Path(config.model.model_config_path) / "config.json").is_file()
+    assert (Path(config.model.model_config_path) / "tokenizer.json").is_file()
+    assert Path(config.data.dataset).is_dir() and any(Path(config.data.dataset).iterdir())
+    assert config.network.run_id == "tiny-moby-dick" and config.run.threads == 1
+
+
+def test_a_config_file_and_flags_override_the_preset(tmp_path: Path):
+    toml = tmp_path / "mine.toml"
+    toml.write_text('[model]\nmodel = "some/hub-model"\n[outer]\ninner_steps = 5\n')
+    args = argparse.Namespace(preset="tiny", config=toml, **{"data.seq_len": 32})
+    config = load_config(args)
+    assert config.model.model == "some/hub-model" and config.model.model_config_path is None  # the file's source
+    assert config.outer.inner_steps == 5 and config.data.seq_len == 32
+    assert config.data.batch_size == 8  # the preset's, where nothing overrides it
 
 
 def test_preset_values_are_overridden_by_flags():

@@ -7,8 +7,8 @@ import logging
 import pytest
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
-from swarm_harness import wait_until
 
+from bench.swarm import wait_until
 from p2p_diloco.config import NetworkSection
 from p2p_diloco.dht import start_dht, stop_dht, visible_multiaddrs
 from p2p_diloco.records import PeerProgress, SwarmRecords, record_validators

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import pty
 import select
@@ -12,11 +11,12 @@ import time
 from pathlib import Path
 
 import pytest
-from swarm_harness import wait_until
 
+from bench.swarm import wait_until
 from p2p_diloco.checkpoint import load_checkpoint
-from p2p_diloco.demo import CORPUS, TINY_MODEL
+from p2p_diloco.events import Eval, InnerStep, OuterRound, Stop, read_events
 from p2p_diloco.lifecycle import descendant_pids, is_running
+from p2p_diloco.presets import CORPUS, TINY_MODEL
 
 pytestmark = pytest.mark.swarm
 
@@ -64,7 +64,7 @@ def test_unit_leaves_cleanly(tmp_path: Path, how: str) -> None:
 
         def trained_a_round() -> bool:
             _drain(fd)
-            return metrics.exists() and '"event": "outer_round"' in metrics.read_text()
+            return bool(read_events(metrics, OuterRound))
 
         wait_until(trained_a_round, 120, "the unit to complete an outer round")
         children = descendant_pids(pid)
@@ -79,9 +79,9 @@ def test_unit_leaves_cleanly(tmp_path: Path, how: str) -> None:
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
         os.close(fd)
-    events = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert events[-1]["event"] == "stop"
+    last = read_events(metrics, InnerStep, OuterRound, Eval, Stop)[-1]
+    assert isinstance(last, Stop)
     checkpoint = load_checkpoint(tmp_path / "checkpoint.pt")
-    assert checkpoint is not None and checkpoint["inner_step"] == events[-1]["inner_step"]
+    assert checkpoint is not None and checkpoint["inner_step"] == last.inner_step
     assert (tmp_path / "model" / "model.safetensors").exists()
     wait_until(lambda: not any(is_running(child) for child in children), 15, "the unit's children to exit")

@@ -10,6 +10,7 @@ from unit_peers import TOKENS_PER_STEP, Peer, PeerFactory, inner_step, maybe_beg
 
 from p2p_diloco.compression import roundtrip
 from p2p_diloco.diloco import merge_local_progress, outer_step, pseudo_gradient, weighted_average
+from p2p_diloco.events import ConsensusRound, OuterRound
 from p2p_diloco.fragments import copies
 
 STREAMING = dict(outer__fragments=2, outer__inner_steps=2, outer__max_in_flight=2)
@@ -48,7 +49,7 @@ def test_a_fragment_round_merges_that_fragment_only(make_peer: PeerFactory) -> N
     assert a.unit.fragments[0].outer_round == 1 and a.unit.fragments[1].outer_round == 0 and a.unit.outer_round == 0
     phi_1, momentum_1, _ = fragment_state(a, 1)  # the other fragment: global state untouched
     assert all(torch.equal(x, y) for x, y in zip(phi_1 + momentum_1, before["a"][1][0] + before["a"][1][1]))
-    assert a.events("outer_round")[-1]["fragment"] == 0 and a.events("outer_round")[-1]["overlap_steps"] == 1
+    assert a.events(OuterRound)[-1].fragment == 0 and a.events(OuterRound)[-1].overlap_steps == 1
     assert len(theta) == len(phi)
 
 
@@ -136,7 +137,7 @@ def test_consensus_round_pulls_drifted_fragments_to_the_group_mean(make_peer: Pe
     torch.testing.assert_close(phi_a_after, [(x + y) / 2 for x, y in zip(phi_a, phi_b)], rtol=0, atol=1e-6)
     shift = [after - before for after, before in zip(phi_a_after, phi_a)]  # θ moved with φ
     torch.testing.assert_close(theta_a_after, [t + s for t, s in zip(clone_all(theta_a), shift)], rtol=0, atol=1e-5)
-    assert a.events("consensus_round")[-1]["applied"] is True
+    assert a.events(ConsensusRound)[-1].applied is True
 
 
 def test_unit_never_has_more_rounds_in_flight_than_configured(make_peer: PeerFactory) -> None:

@@ -1,4 +1,4 @@
-"""Swarm tests: real hivemind peers as separate processes on 127.0.0.1 (see swarm_harness.py)."""
+"""Swarm tests: real hivemind peers as separate processes on 127.0.0.1 (see bench/swarm.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,10 @@ import time
 from pathlib import Path
 
 import pytest
-from swarm_harness import Swarm
+from swarms import quick_swarm
 
+from bench.swarm import Swarm
+from p2p_diloco.events import Eval, Join, OuterRound, StateDownload
 from p2p_diloco.lifecycle import is_running
 
 pytestmark = pytest.mark.swarm
@@ -24,7 +26,7 @@ SPLIT_DRIFT_FLOOR = 1e-3
 
 @pytest.fixture
 def swarm(tmp_path: Path):
-    swarm = Swarm(tmp_path)
+    swarm = quick_swarm(tmp_path)
     yield swarm
     swarm.close()
 
@@ -50,8 +52,8 @@ def test_sigkilled_unit_leaves_no_process_behind(swarm: Swarm) -> None:
     """SIGKILL of a unit's main process only: its watchdog, DHT, both averagers and their p2pd exit by themselves.
     (What the other units do meanwhile is tested in test_chaos_swarm.py.)"""
     maddr = swarm.bootstrap("bootstrap")
-    swarm.peer("victim", maddr)
-    swarm.wait_for(lambda: swarm.events("victim", "join"), timeout_s=90, what="the unit to join")
+    swarm.unit("victim", [maddr])
+    swarm.wait_for(lambda: swarm.events("victim", Join), timeout_s=90, what="the unit to join")
     children = swarm.kill_main_process("victim")
     assert len(children) >= 5, children  # watchdog, DHT, 2 averagers, their p2pd
     swarm.wait_for(
@@ -63,34 +65,30 @@ def test_sigkilled_unit_leaves_no_process_behind(swarm: Swarm) -> None:
 
 def assert_joined_from_swarm(swarm: Swarm, name: str, donors: tuple[str, ...], after: float = 0.0) -> None:
     """``name`` downloaded the swarm's state: its first eval of φ equals a donor's eval at the same round."""
-    join = swarm.wait_for(
-        lambda: [e for e in swarm.events(name, "join") if e["time"] > after], timeout_s=90, what=f"{name} to join"
-    )[0]
-    assert join["source"] == "swarm" and join["outer_round"] >= 3, join
-    assert [e for e in swarm.events(name, "state_download") if e["time"] > after]
-    first_eval = swarm.wait_for(
-        lambda: [e for e in swarm.events(name, "eval") if e["time"] > after], timeout_s=30, what=f"{name}'s eval"
-    )[0]
+    join = swarm.wait_for(lambda: swarm.events(name, Join, after), timeout_s=90, what=f"{name} to join")[0]
+    assert join.source == "swarm" and join.outer_round >= 3, join
+    assert swarm.events(name, StateDownload, after)
+    first_eval = swarm.wait_for(lambda: swarm.events(name, Eval, after), timeout_s=30, what=f"{name}'s eval")[0]
     donor_evals = [
-        event["eval_loss"]
+        event.eval_loss
         for donor in donors
-        for event in swarm.events(donor, "eval")
-        if event["outer_round"] == first_eval["outer_round"]
+        for event in swarm.events(donor, Eval)
+        if event.outer_round == first_eval.outer_round
     ]
     # Same held-out batches and same global parameters give the same loss: the download is the swarm's φ.
-    tolerance = 1e-6 * first_eval["eval_loss"]
-    assert donor_evals and min(abs(loss - first_eval["eval_loss"]) for loss in donor_evals) <= tolerance
+    tolerance = 1e-6 * first_eval.eval_loss
+    assert donor_evals and min(abs(loss - first_eval.eval_loss) for loss in donor_evals) <= tolerance
 
 
 def test_late_joiner_downloads_the_swarm_state(swarm: Swarm) -> None:
     maddr = swarm.bootstrap("bootstrap")
     for name in ("a", "b"):
-        swarm.peer(name, maddr)
+        swarm.unit(name, [maddr])
     swarm.wait_for(lambda: all(len(swarm.rounds(n)) >= 3 for n in ("a", "b")), timeout_s=150, what="3 rounds")
-    swarm.peer("late", maddr)
+    swarm.unit("late", [maddr])
     assert_joined_from_swarm(swarm, "late", donors=("a", "b"))
     swarm.wait_for(
-        lambda: any(r["group_size"] == 3 for r in swarm.rounds("late")), timeout_s=90, what="a round with all three"
+        lambda: any(r.group_size == 3 for r in swarm.rounds("late")), timeout_s=90, what="a round with all three"
     )
     status = subprocess.run(
         [sys.executable, "-m", "p2p_diloco.cli", "status", "--initial-peers", maddr, "--run-id", swarm.run_id],
@@ -99,7 +97,7 @@ def test_late_joiner_downloads_the_swarm_state(swarm: Swarm) -> None:
         timeout=60,
     )
     assert status.returncode == 0, status.stderr
-    peer_ids = {swarm.events(name, "join")[0]["peer_id"] for name in ("a", "b", "late")}
+    peer_ids = {swarm.events(name, Join)[0].peer_id for name in ("a", "b", "late")}
     assert all(peer_id in status.stdout for peer_id in peer_ids), status.stdout
 
 
@@ -108,23 +106,23 @@ def test_split_swarm_comes_back_into_consensus(swarm: Swarm) -> None:
     left, right = swarm.bootstrap("bootstrap-left"), swarm.bootstrap("bootstrap-right")
     halves = {"l0": left, "l1": left, "r0": right, "r1": right}
     for name, maddr in halves.items():
-        swarm.peer(name, maddr)
+        swarm.unit(name, [maddr])
     swarm.wait_for(
-        lambda: all(sum(r["group_size"] == 2 for r in swarm.rounds(n)) >= 2 for n in halves),
+        lambda: all(sum(r.group_size == 2 for r in swarm.rounds(n)) >= 2 for n in halves),
         timeout_s=180,
         what="both halves to average apart for two rounds",
     )
-    assert all(max(r["group_size"] for r in swarm.rounds(n)) == 2 for n in halves), "the halves were not split"
+    assert all(max(r.group_size for r in swarm.rounds(n)) == 2 for n in halves), "the halves were not split"
     healed_at = time.time()
     swarm.bootstrap("bridge", initial_peers=(left, right))
 
-    def healed_round() -> dict | None:
-        candidates = [r for n in halves for r in swarm.rounds(n, after=healed_at) if r["group_size"] == 4]
-        return next((r for r in candidates if r["member_drift"] < HEALED_DRIFT_BOUND), None)
+    def healed_round() -> OuterRound | None:
+        candidates = [r for n in halves for r in swarm.rounds(n, after=healed_at) if r.group_size == 4]
+        return next((r for r in candidates if r.member_drift < HEALED_DRIFT_BOUND), None)
 
     what = f"a round of all four peers with drift < {HEALED_DRIFT_BOUND}"
     healed = swarm.wait_for(healed_round, timeout_s=180, what=what)
-    merged = [r for n in halves for r in swarm.rounds(n, after=healed_at) if r["group_size"] > 2]
-    split_drift = max(r["member_drift"] for r in merged)
-    print(f"drift when the halves met: {split_drift:.3g}; after healing: {healed['member_drift']:.3g}")
+    merged = [r for n in halves for r in swarm.rounds(n, after=healed_at) if r.group_size > 2]
+    split_drift = max(r.member_drift for r in merged)
+    print(f"drift when the halves met: {split_drift:.3g}; after healing: {healed.member_drift:.3g}")
     assert split_drift > SPLIT_DRIFT_FLOOR, "the halves had not drifted apart"

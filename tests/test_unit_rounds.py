@@ -33,6 +33,7 @@ from p2p_diloco.diloco import (
     pseudo_gradient,
     weighted_average,
 )
+from p2p_diloco.events import LocalReset, OuterRound, OuterRoundBegin, OuterRoundFailed, StateDownload, Stop
 from p2p_diloco.goodput import GoodputLedger
 from p2p_diloco.records import PeerProgress
 from p2p_diloco.state_sync import SwarmState
@@ -139,7 +140,7 @@ def test_late_outcome_keeps_the_overlapped_inner_steps(make_peer: PeerFactory) -
     assert_all_close(a.unit.trainer.local_parameters(), expected_theta)
     assert differs(a.unit.trainer.local_parameters(), a.unit.global_params)  # the overlapped steps were kept
     assert_all_equal(b.unit.trainer.local_parameters(), b.unit.global_params)  # b had no overlap
-    assert a.events("outer_round")[-1]["overlap_steps"] == overlap
+    assert a.events(OuterRound)[-1].overlap_steps == overlap
     assert a.unit.fragments[0].steps_since_round == 0  # the next round starts H steps after this one ended
 
 
@@ -151,7 +152,7 @@ def test_failed_round_keeps_phi_and_round_and_carries_its_tokens(make_peer: Peer
     theta = a.unit.trainer.local_parameters()
     assert poll(a)
     assert_round_changed_nothing(a, phi0, momentum0, theta)
-    assert a.events("outer_round_failed")[-1]["error"] == "FakeGroup: quorum not reached"
+    assert a.events(OuterRoundFailed)[-1].error == "FakeGroup: quorum not reached"
 
     group.fail = False
     for _ in range(2):
@@ -180,7 +181,7 @@ def test_non_finite_average_is_rejected_like_a_failed_round(make_peer: PeerFacto
     rogue.begin_round(poisoned, weight=TOKENS_PER_STEP, outer_round=0, window_s=1.0)
     assert poll(a)
     assert_round_changed_nothing(a, phi0, momentum0, theta)
-    assert len(a.events("outer_round_failed")) == 1 and not a.events("outer_round")
+    assert len(a.events(OuterRoundFailed)) == 1 and not a.events(OuterRound)
     assert not a.state_server.published  # nothing new to serve
 
 
@@ -195,7 +196,7 @@ def test_a_diverged_unit_never_sends_a_non_finite_proposal(make_peer: PeerFactor
         poll(b)
         inner_step(b)
     assert all(torch.isfinite(tensor).all() for begun in b.averager.begun for tensor in begun.proposal)
-    assert b.averager.begun and b.events("local_reset")
+    assert b.averager.begun and b.events(LocalReset)
 
 
 def test_round_after_merge_is_the_largest_member_round_plus_one(make_peer: PeerFactory) -> None:
@@ -211,8 +212,8 @@ def test_round_after_merge_is_the_largest_member_round_plus_one(make_peer: PeerF
     assert poll(a) and poll(b)
     assert [begun.outer_round for begun in group.rounds[-1].values()] == [3, 5]
     assert a.unit.outer_round == b.unit.outer_round == 6
-    assert a.events("outer_round")[-1]["outer_round"] == 6
-    assert a.events("outer_round")[-1]["member_drift"] == pytest.approx(drift)
+    assert a.events(OuterRound)[-1].outer_round == 6
+    assert a.events(OuterRound)[-1].member_drift == pytest.approx(drift)
     assert a.state_server.published[-1].outer_round == 6  # the merged state is what joiners download
     assert a.records.fingerprints == [a.unit.loaded.fingerprint]
 
@@ -224,7 +225,7 @@ def test_run_begins_a_round_every_h_steps(make_peer: PeerFactory) -> None:
     # overlapped a round counts in the next round's tokens but the next round starts H steps after the merge
     assert a.unit.inner_step == 6 and a.unit.outer_round == 2 and a.unit.fragments[0].sent is None
     assert [begun.weight for begun in a.averager.begun] == [2 * TOKENS_PER_STEP, 3 * TOKENS_PER_STEP]
-    assert [event["overlap_steps"] for event in a.events("outer_round")] == [1, 1]
+    assert [event.overlap_steps for event in a.events(OuterRound)] == [1, 1]
     assert a.records.progress["a"].inner_step >= 1
 
 
@@ -244,7 +245,7 @@ def test_join_adopts_the_swarm_state_of_a_later_round(make_peer: PeerFactory) ->
     assert a.unit.outer_round == 7
     assert_all_equal(a.unit.trainer.local_parameters(), phi)
     assert a.state_server.published[-1].outer_round == 7  # it serves the adopted state at once
-    assert a.events("state_download")[-1]["outer_round"] == 7
+    assert a.events(StateDownload)[-1].outer_round == 7
 
 
 def test_join_alone_starts_from_the_initial_weights(make_peer: PeerFactory) -> None:
@@ -324,12 +325,12 @@ def test_finish_hands_the_last_steps_to_a_final_round_then_checkpoints_and_expor
     assert (save_dir / "model.safetensors").exists()
     exported = AutoModelForCausalLM.from_pretrained(save_dir)
     assert_all_equal([p.detach() for p in exported.parameters() if p.requires_grad], a.unit.global_params)
-    stop = a.events("stop")[-1]
-    assert stop["outer_round"] == 2 and math.isfinite(stop["eval_loss"])
+    stop = a.events(Stop)[-1]
+    assert stop.outer_round == 2 and math.isfinite(stop.eval_loss)
     ledger = a.unit.ledger  # every step was merged: all its compute is useful
-    assert stop["useful_compute_s"] == ledger.useful_compute_s == pytest.approx(ledger.compute_s)
-    assert stop["compute_s"] == ledger.compute_s and stop["useful_tokens"] == 3 * TOKENS_PER_STEP
-    assert stop["allocated_s"] > 0 and stop["goodput"] == pytest.approx(ledger.useful_compute_s / stop["allocated_s"])
+    assert stop.useful_compute_s == ledger.useful_compute_s == pytest.approx(ledger.compute_s)
+    assert stop.compute_s == ledger.compute_s and stop.useful_tokens == 3 * TOKENS_PER_STEP
+    assert stop.allocated_s > 0 and stop.goodput == pytest.approx(ledger.useful_compute_s / stop.allocated_s)
     assert saved_ledger(a) == ledger
 
 
@@ -341,9 +342,9 @@ def test_finish_drops_a_round_that_does_not_end_in_time(make_peer: PeerFactory) 
     assert a.averager.cancelled == 1 and not a.averager.in_flight and a.unit.fragments[0].sent is None
     assert a.unit.fragments[0].tokens_since_round == 2 * TOKENS_PER_STEP
     assert a.unit.fragments[0].compute_since_round == pytest.approx(seconds)
-    stop = a.events("stop")[-1]
-    assert stop["useful_compute_s"] == 0.0 and stop["goodput"] == 0.0
-    assert stop["compute_s"] == pytest.approx(seconds) and saved_ledger(a).compute_s == stop["compute_s"]
+    stop = a.events(Stop)[-1]
+    assert stop.useful_compute_s == 0.0 and stop.goodput == 0.0
+    assert stop.compute_s == pytest.approx(seconds) and saved_ledger(a).compute_s == stop.compute_s
     checkpoint = load_checkpoint(a.unit.checkpoint_path)
     assert checkpoint is not None and checkpoint["outer_round"] == 0
 
@@ -360,8 +361,8 @@ def test_a_merged_round_makes_the_compute_of_its_steps_useful(make_peer: PeerFac
     assert ledger.compute_s == pytest.approx(seconds + overlap) and ledger.tokens == 3 * TOKENS_PER_STEP
     assert a.unit.fragments[0].compute_since_round == pytest.approx(overlap)
     assert saved_ledger(a) == ledger  # saved once per merged round
-    event = a.events("outer_round")[-1]
-    assert event["useful_compute_s"] == ledger.useful_compute_s and event["useful_tokens"] == 2 * TOKENS_PER_STEP
+    event = a.events(OuterRound)[-1]
+    assert event.useful_compute_s == ledger.useful_compute_s and event.useful_tokens == 2 * TOKENS_PER_STEP
     a.unit._publish_progress()
     published = a.records.progress["a"]
     assert published.useful_compute_s == ledger.useful_compute_s and published.allocated_s > 0
@@ -378,7 +379,7 @@ def test_a_failed_round_carries_its_compute_into_the_next_merge(make_peer: PeerF
     assert poll(a)
     assert a.unit.ledger.useful_compute_s == pytest.approx(first + second)
     assert a.unit.ledger.useful_tokens == 4 * TOKENS_PER_STEP
-    assert a.events("outer_round")[-1]["useful_compute_s"] == pytest.approx(first + second)
+    assert a.events(OuterRound)[-1].useful_compute_s == pytest.approx(first + second)
 
 
 def test_a_local_reset_discards_the_compute_of_its_steps(make_peer: PeerFactory) -> None:
@@ -387,7 +388,7 @@ def test_a_local_reset_discards_the_compute_of_its_steps(make_peer: PeerFactory)
     poisoned = a.unit.trainer.local_parameters()
     poisoned[0].view(-1)[0] = float("nan")
     a.unit.trainer.load_parameters(poisoned)
-    assert maybe_begin(a) and a.events("local_reset") and a.unit.fragments[0].sent is None
+    assert maybe_begin(a) and a.events(LocalReset) and a.unit.fragments[0].sent is None
     assert a.unit.fragments[0].compute_since_round == 0.0
     kept = train_until_round(a)
     assert poll(a)
@@ -410,9 +411,9 @@ def test_outer_round_begin_announces_when_the_all_reduce_starts(make_peer: PeerF
     a = make_peer("a", FakeGroup())
     before = time.time()
     train_until_round(a)
-    (begin,) = a.events("outer_round_begin")
+    (begin,) = a.events(OuterRoundBegin)
     begun = a.averager.begun[-1]
-    assert begin["window_s"] == begun.window_s > 0
-    assert begin["scheduled_at"] == pytest.approx(begin["time"] + begin["window_s"], abs=0.1)
-    assert begin["scheduled_at"] >= before + begin["window_s"]
-    assert (begin["outer_round"], begin["inner_step"], begin["weight"]) == (0, 2, 2 * TOKENS_PER_STEP)
+    assert begin.window_s == begun.window_s > 0
+    assert begin.scheduled_at == pytest.approx(begin.time + begin.window_s, abs=0.1)
+    assert begin.scheduled_at >= before + begin.window_s
+    assert (begin.outer_round, begin.inner_step, begin.weight) == (0, 2, 2 * TOKENS_PER_STEP)

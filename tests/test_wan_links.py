@@ -13,8 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from p2p_diloco.chaos.links import LinkMonitor, bytes_between, peak_rate_bps, read_samples
-from p2p_diloco.chaos.namespaces import NamespaceError, Namespaces, tbf_parameters
+from bench.chaos.links import LinkMonitor, bytes_between, peak_rate_bps, read_samples
+from bench.chaos.namespaces import NamespaceError, Namespaces, tbf_parameters
+from bench.events import LinkBytes
 
 PREFIX = "pdct-"
 RATE_MBIT = 20.0
@@ -48,8 +49,8 @@ connection.close()
 """
 
 
-def sample(at: float, node: str, tx: int, rx: int) -> dict:
-    return {"time": at, "event": "link_bytes", "node": node, "tx_bytes": tx, "rx_bytes": rx}
+def sample(at: float, node: str, tx: int, rx: int) -> LinkBytes:
+    return LinkBytes(time=at, node=node, tx_bytes=tx, rx_bytes=rx)
 
 
 SAMPLES = [
@@ -117,8 +118,8 @@ def test_monitor_samples_every_node_until_exit_and_skips_failed_samples(tmp_path
     assert not monitor._thread.is_alive()
     samples = read_samples(path)
     assert len(samples) >= 4, "sampled while entered and once more on exit"
-    assert {sample["node"] for sample in samples} == {"a"}
-    assert [sample["tx_bytes"] for sample in samples] == [100 * (index + 1) for index in range(len(samples))]
+    assert {sample.node for sample in samples} == {"a"}
+    assert [sample.tx_bytes for sample in samples] == [100 * (index + 1) for index in range(len(samples))]
     assert len(read_samples(path)) == len(samples), "nothing is written after exit"
     with pytest.raises(ValueError, match="positive"):
         LinkMonitor(FakeCounters(), ["a"], path, interval_s=0)

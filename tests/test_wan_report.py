@@ -6,12 +6,14 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 
-from p2p_diloco.chaos.results import EvalPoint, MethodResult, UnitResult
-from p2p_diloco.wan.report import (
+from bench.chaos.results import EvalPoint, MethodResult, UnitResult
+from bench.events import LinkBytes, RankStart, RankStep
+from bench.wan.report import (
     LinkUse,
     StepSpan,
     UnitWan,
@@ -29,8 +31,11 @@ from p2p_diloco.wan.report import (
     time_to_target,
     token_rate,
     tokens_to_target,
+    unit_span,
     write_report,
 )
+from p2p_diloco.events import Event, InnerStep, Stop
+from p2p_diloco.metrics import MetricsLog
 
 
 def result(method: str, curve: list[tuple[float, int, float]]) -> MethodResult:
@@ -38,8 +43,31 @@ def result(method: str, curve: list[tuple[float, int, float]]) -> MethodResult:
     return MethodResult(method, 100.0, [UnitResult(0, 1.0, 1.0, 10, 10)], evals, evals[-1].eval_loss if evals else None)
 
 
-def sample(at: float, node: str, tx: int, rx: int) -> dict:
-    return {"time": at, "event": "link_bytes", "node": node, "tx_bytes": tx, "rx_bytes": rx}
+def sample(at: float, node: str, tx: int, rx: int) -> LinkBytes:
+    return LinkBytes(time=at, node=node, tx_bytes=tx, rx_bytes=rx)
+
+
+def rank_step(at: float, step: int, compute_s: float) -> RankStep:
+    return RankStep(time=at, step=step, compute_s=compute_s, sync_s=0.5, tokens=64, loss=1.0, incarnation=0)
+
+
+def mark(at: float, step: int, seconds: float) -> InnerStep:
+    return InnerStep(time=at, step=step, loss=1.0, seconds=seconds)
+
+
+def unit_stop(at: float, inner_step: int, compute_s: float) -> Stop:
+    return Stop(
+        time=at, inner_step=inner_step, outer_round=1, tokens=0, eval_loss=None, compute_s=compute_s,
+        useful_compute_s=0.0, useful_tokens=0, allocated_s=1.0, goodput=0.0, wire_bytes_sent=None,
+        wire_bytes_received=None,
+    )  # fmt: skip
+
+
+def write_log(path: Path, events: Sequence[Event]) -> Path:
+    with MetricsLog(path) as log:
+        for event in events:
+            log.write(event)
+    return path
 
 
 def test_time_to_target_is_the_first_eval_at_or_below_it_and_the_default_target_is_reached_by_every_method() -> None:
@@ -54,27 +82,26 @@ def test_time_to_target_is_the_first_eval_at_or_below_it_and_the_default_target_
     assert default_target_loss([result("empty", [])]) is None
 
 
-def test_a_gang_ranks_span_counts_the_compute_of_every_step_after_its_first_one() -> None:
-    events = [
-        {"time": 100.0 + 2 * step, "event": "step", "step": step, "compute_s": 1.5, "sync_s": 0.5}
-        for step in range(1, 6)
-    ]
-    span = step_span([*reversed(events), {"time": 90.0, "event": "start"}])
+def test_a_gang_ranks_span_counts_the_compute_of_every_step_after_its_first_one(tmp_path: Path) -> None:
+    events = [rank_step(100.0 + 2 * step, step, 1.5) for step in range(1, 6)]
+    start = RankStart(time=90.0, incarnation=0, rank=0, world_size=2, resumed_step=0, tokens_in_model=0)
+    span = step_span(write_log(tmp_path / "metrics.jsonl", [*reversed(events), start]))
     assert span == StepSpan(inner_steps=5, compute_s=6.0, window_s=8.0)
     assert span.utilisation == 0.75
 
 
-def test_a_swarm_units_span_uses_its_mean_step_compute_between_its_first_and_last_mark() -> None:
-    marks = [{"time": 10.0 * index, "event": "inner_step", "step": 10 * index, "seconds": 0.5} for index in (1, 2, 3)]
-    stop = {"time": 40.0, "event": "stop", "inner_step": 35, "compute_s": 28.0}
-    span = step_span([*marks, stop])
-    assert span == StepSpan(inner_steps=35, compute_s=0.8 * 20, window_s=20.0)
+def test_a_swarm_units_span_uses_its_mean_step_compute_between_its_first_and_last_mark(tmp_path: Path) -> None:
+    marks = [mark(10.0 * index, 10 * index, 0.5) for index in (1, 2, 3)]
+    stop = unit_stop(40.0, 35, 28.0)
+    span = step_span(write_log(tmp_path / "metrics.jsonl", [*marks, stop]))
+    assert span == unit_span(marks, [stop]) == StepSpan(inner_steps=35, compute_s=0.8 * 20, window_s=20.0)
     assert span.utilisation == pytest.approx(0.8)
     # without a stop event (the unit was killed): its last mark's step and the mean of the marks' seconds
-    assert step_span(marks) == StepSpan(inner_steps=30, compute_s=0.5 * 20, window_s=20.0)
-    assert step_span([marks[0]]) == StepSpan(30 // 3, 0.0, 0.0)
-    assert step_span([marks[0]]).utilisation is None
-    assert step_span([{"time": 1.0, "event": "join"}]) is None
+    assert unit_span(marks, []) == StepSpan(inner_steps=30, compute_s=0.5 * 20, window_s=20.0)
+    assert unit_span([marks[0]], []) == StepSpan(30 // 3, 0.0, 0.0)
+    assert unit_span([marks[0]], []).utilisation is None
+    assert unit_span([], [stop]) is None
+    assert step_span(tmp_path / "no-such-log.jsonl") is None
 
 
 def test_eval_bracket_names_the_evals_that_the_loss_at_equal_tokens_is_interpolated_between() -> None:
@@ -210,24 +237,21 @@ def test_sync_dp_time_to_a_deeper_target_is_projected_from_its_token_rate_and_th
     assert rows[3]["time_to_deeper_target_s"] is None
 
 
-def write_unit_logs(run_dir: Path, events_by_unit: list[list[dict]], samples: list[dict]) -> None:
+def write_unit_logs(run_dir: Path, events_by_unit: list[list[Event]], samples: list[LinkBytes]) -> None:
     for unit, events in enumerate(events_by_unit):
-        (run_dir / f"unit{unit}").mkdir(parents=True)
-        (run_dir / f"unit{unit}" / "metrics.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
-    (run_dir / "links.jsonl").write_text("".join(json.dumps(sample) + "\n" for sample in samples))
+        write_log(run_dir / f"unit{unit}" / "metrics.jsonl", events)
+    write_log(run_dir / "links.jsonl", samples)
 
 
 def test_write_report_reads_every_methods_logs_and_writes_json_markdown_and_plot(tmp_path: Path) -> None:
-    steps = [
-        {"time": 100.0 + step, "event": "step", "step": step, "compute_s": 0.5, "sync_s": 0.5} for step in (1, 2, 3)
-    ]
+    steps: list[Event] = [rank_step(100.0 + step, step, 0.5) for step in (1, 2, 3)]
     write_unit_logs(
         tmp_path / "sync-dp",
         [steps, steps],
         [sample(99.0, f"unit{unit}", 0, 0) for unit in (0, 1)] + [sample(104.0, f"unit{u}", 900, 600) for u in (0, 1)],
     )
-    marks = [{"time": 100.0 + index, "event": "inner_step", "step": 10 * index, "seconds": 0.09} for index in (1, 2)]
-    stop = {"time": 103.0, "event": "stop", "inner_step": 30, "compute_s": 2.7}
+    marks: list[Event] = [mark(100.0 + index, 10 * index, 0.09) for index in (1, 2)]
+    stop = unit_stop(103.0, 30, 2.7)
     write_unit_logs(
         tmp_path / "ours-streaming",
         [[*marks, stop], [*marks, stop]],

@@ -1,5 +1,5 @@
 """A swarm on emulated WAN links: a bootstrap node and two learning units as real processes, each in its own network
-namespace behind a 20 Mbit/s tbf link (see p2p_diloco/chaos/namespaces.py), streaming two fragments with the int8
+namespace behind a 20 Mbit/s tbf link (see bench/chaos/namespaces.py), streaming two fragments with the int8
 codec and fp32 consensus rounds. The bytes that crossed each unit's link are checked against what those rounds send.
 
 Root only (namespaces and tc); skipped elsewhere.
@@ -8,19 +8,21 @@ Root only (namespaces and tc); skipped elsewhere.
 from __future__ import annotations
 
 import math
-import subprocess
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import pytest
-from swarm_harness import Swarm
-from test_chaos_swarm import swarm  # noqa: F401  (the fixture: stops every process and checks that none survives)
+from swarms import close_leaving_nothing
 
-from p2p_diloco.chaos.namespaces import NamespaceError, Namespaces
-from p2p_diloco.chaos.swarm_target import SwarmTarget, TrainingSetup
+from bench.chaos.namespaces import NamespaceError, Namespaces
+from bench.chaos.swarm_target import SwarmTarget
+from bench.swarm import Swarm
+from bench.training import TrainingSetup
 from p2p_diloco.config import load_config
-from p2p_diloco.demo import CORPUS, TINY_MODEL, stop_process_groups
+from p2p_diloco.events import ConsensusBegin, ConsensusRound, Eval, Join
 from p2p_diloco.fragments import Fragment, partition
 from p2p_diloco.model import load_model
+from p2p_diloco.presets import CORPUS, TINY_MODEL
 
 pytestmark = pytest.mark.swarm
 
@@ -63,56 +65,53 @@ def fragments() -> list[Fragment]:
     return partition([param.shape for param in trained], FRAGMENTS)
 
 
-def processes_of(target: SwarmTarget) -> dict[str, subprocess.Popen]:
-    """The target's processes under the names of their work dirs, as :class:`Swarm` expects them."""
-    named = {name: target.processes[index] for index, name in enumerate(UNITS) if index in target.processes}
-    return named | ({"bootstrap": target.bootstrap} if target.bootstrap is not None else {})
-
-
-def finite_loss(event: dict) -> float:
-    loss = event["eval_loss"]
+def finite_loss(event: Eval) -> float:
+    loss = event.eval_loss
     assert isinstance(loss, float) and math.isfinite(loss), event
     return loss
 
 
-def test_int8_streaming_swarm_crosses_rate_limited_links(network: Namespaces, swarm: Swarm) -> None:  # noqa: F811
+def test_int8_streaming_swarm_crosses_rate_limited_links(network: Namespaces, tmp_path: Path) -> None:
     """Both units average both fragments together and apply a consensus round; each unit's link carried at least
     the payload of those rounds (int8 fragment rounds: 1 byte per element; fp32 consensus rounds: 4 bytes per element
     of their fragment) and, beyond the consensus rounds, under MAX_BYTES_PER_ELEMENT per element of the fragment
     rounds. Both units' consensus models improved."""
-    setup = TrainingSetup(
-        model_config=TINY_MODEL, dataset=CORPUS, batch_size=4, inner_steps=INNER_STEPS, eval_every_steps=10**6
-    )
-    target = SwarmTarget("wan", len(UNITS), swarm.root, network, setup, budget_s=600.0, extra_flags=UNIT_FLAGS)
+    setup = TrainingSetup(batch_size=4, inner_steps=INNER_STEPS, eval_every_steps=10**6)
+    target = SwarmTarget("wan", len(UNITS), tmp_path, network, setup, budget_s=600.0, extra_flags=UNIT_FLAGS)
     before = {name: network.interface_bytes(name) for name in UNITS}
     try:
         target.start()
+        check_links(target.swarm, network, before)
     finally:
-        swarm.processes.update(processes_of(target))  # waits, events, log tails and the clean-up go through the swarm
+        close_leaving_nothing(target.swarm)
+
+
+def check_links(swarm: Swarm, network: Namespaces, before: dict[str, tuple[int, int]]) -> None:
+    """Wait for the rounds, stop the units, then check what their links carried (see the test's docstring)."""
 
     def paired(name: str) -> bool:
-        fragments_paired = {r["fragment"] for r in swarm.rounds(name) if r["group_size"] == 2}
-        applied = [e for e in swarm.events(name, "consensus_round") if e["applied"]]
+        fragments_paired = {r.fragment for r in swarm.rounds(name) if r.group_size == 2}
+        applied = [e for e in swarm.events(name, ConsensusRound) if e.applied]
         return fragments_paired == set(range(FRAGMENTS)) and bool(applied)
 
     what = "both fragments averaged in pairs and a consensus round applied by each unit"
     swarm.wait_for(lambda: all(paired(name) for name in UNITS), STARTUP_S, what)
-    codes = stop_process_groups([swarm.processes[name] for name in UNITS], grace_s=60.0)
+    codes = swarm.stop(list(UNITS), grace_s=60.0)
     assert codes == [0] * len(UNITS), f"exit codes {codes}\n{swarm.tails()}"
     after = {name: network.interface_bytes(name) for name in UNITS}
 
     split = fragments()
 
-    def consensus_bytes(events: list[dict]) -> int:
-        return sum(FP32_BYTES * split[event["fragment"]].numel for event in events)
+    def consensus_bytes(events: Sequence[ConsensusRound | ConsensusBegin]) -> int:
+        return sum(FP32_BYTES * split[event.fragment].numel for event in events)
 
     for name in UNITS:
-        assert [join["source"] for join in swarm.events(name, "join")] == ["initial weights"]  # no state download
+        assert [join.source for join in swarm.events(name, Join)] == ["initial weights"]  # no state download
         sent = after[name][0] - before[name][0]
-        rounds = [r for r in swarm.rounds(name) if r["group_size"] == 2]
-        elements = sum(split[r["fragment"]].numel for r in rounds)
-        consensus = [e for e in swarm.events(name, "consensus_round") if e["group_size"] == 2]
-        consensus_begun = swarm.events(name, "consensus_begin")  # a round cancelled on exit may have sent part
+        rounds = [r for r in swarm.rounds(name) if r.group_size == 2]
+        elements = sum(split[r.fragment].numel for r in rounds)
+        consensus = [e for e in swarm.events(name, ConsensusRound) if e.group_size == 2]
+        consensus_begun = swarm.events(name, ConsensusBegin)  # a round cancelled on exit may have sent part
         payload = INT8_BYTES * elements + consensus_bytes(consensus)
         beyond_consensus = (sent - consensus_bytes(consensus_begun)) / elements
         print(
@@ -123,5 +122,5 @@ def test_int8_streaming_swarm_crosses_rate_limited_links(network: Namespaces, sw
         )
         assert sent >= payload
         assert beyond_consensus <= MAX_BYTES_PER_ELEMENT
-        evals = {event["reason"]: finite_loss(event) for event in swarm.events(name, "eval")}
+        evals = {event.reason: finite_loss(event) for event in swarm.events(name, Eval)}
         assert evals["final"] < evals["join"], evals

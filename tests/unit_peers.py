@@ -4,7 +4,6 @@ one by one."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +15,7 @@ from fakes import FakeAverager, FakeGroup, FakeRecords, FakeStateServer
 
 from p2p_diloco.config import PeerConfig, load_config
 from p2p_diloco.data import load_text_data, shard_seed
+from p2p_diloco.events import E, read_events
 from p2p_diloco.fragments import partition, views
 from p2p_diloco.metrics import MetricsLog
 from p2p_diloco.model import load_model
@@ -43,9 +43,8 @@ class Peer:
     averagers: list[FakeAverager]  # one per fragment; ``averager`` is the first
     consensus: list[FakeAverager] | None  # one per fragment
 
-    def events(self, name: str) -> list[dict[str, Any]]:
-        lines = (self.work_dir / "metrics.jsonl").read_text().splitlines()
-        return [event for event in map(json.loads, lines) if event["event"] == name]
+    def events(self, kind: type[E]) -> list[E]:
+        return read_events(self.work_dir / "metrics.jsonl", kind)
 
 
 PeerFactory = Callable[..., Peer]

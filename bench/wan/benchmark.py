@@ -23,19 +23,22 @@ from typing import Any, cast
 
 from pydantic import ValidationError
 
-from p2p_diloco.chaos.benchmark import environment, rebuilt_result
-from p2p_diloco.chaos.gang import GangTarget, Mode
-from p2p_diloco.chaos.harness import run_schedule
-from p2p_diloco.chaos.links import LinkMonitor
-from p2p_diloco.chaos.namespaces import Namespaces, tbf_parameters
-from p2p_diloco.chaos.network import ChaosNetwork, Loopback
-from p2p_diloco.chaos.results import MethodResult
-from p2p_diloco.chaos.swarm_target import SwarmTarget, TrainingSetup
-from p2p_diloco.chaos.target import ChaosTarget
+from bench.chaos.benchmark import environment, rebuilt_result
+from bench.chaos.gang import GangTarget, Mode
+from bench.chaos.harness import run_schedule
+from bench.chaos.links import LinkMonitor
+from bench.chaos.namespaces import Namespaces, tbf_parameters
+from bench.chaos.network import ChaosNetwork, Loopback
+from bench.chaos.results import MethodResult
+from bench.chaos.swarm_target import SwarmTarget
+from bench.chaos.target import ChaosTarget
+from bench.events import MethodLoad
+from bench.training import TrainingSetup
+from bench.wan.report import LINKS_FILE, QUALITY_REFERENCE, write_report
 from p2p_diloco.config import OuterSection
 from p2p_diloco.errors import UserError
-from p2p_diloco.metrics import MetricsLog, read_events
-from p2p_diloco.wan.report import LINKS_FILE, QUALITY_REFERENCE, write_report
+from p2p_diloco.events import read_events
+from p2p_diloco.metrics import MetricsLog
 
 logger = logging.getLogger(__name__)
 
@@ -124,7 +127,7 @@ def _run_methods(config: WanConfig, network: Namespaces, log: MetricsLog) -> lis
     for method in config.methods:
         target = _target(method, config, Loopback() if method == QUALITY_REFERENCE else network, log)
         load = os.getloadavg()[0]
-        log.write("method_load", method=method, load_average_1min=load)
+        log.write(MethodLoad(method=method, load_average_1min=load))
         logger.info("wan method=%s budget_s=%.0f rate_mbit=%g load=%.1f", method, config.budget_s,
                     config.rate_mbit, load)  # fmt: skip
         if method == QUALITY_REFERENCE:  # on 127.0.0.1: nothing crosses the emulated links
@@ -136,8 +139,7 @@ def _run_methods(config: WanConfig, network: Namespaces, log: MetricsLog) -> lis
 
 
 def _header(config: WanConfig, schedule_log: Path) -> dict[str, Any]:
-    loads = {event["method"]: event["load_average_1min"] for event in read_events(schedule_log)
-             if event["event"] == "method_load"}  # fmt: skip
+    loads = {event.method: event.load_average_1min for event in read_events(schedule_log, MethodLoad)}
     rate_bit_s, burst_bytes, limit_bytes = tbf_parameters(config.rate_mbit)
     return {
         "environment": {

@@ -1,6 +1,6 @@
 """The rendezvous node of the synchronous baselines: a c10d TCPStore server, as torchrun's c10d rendezvous runs.
 
-``python -m p2p_diloco.chaos.rendezvous --host H --port P`` serves the store on port P until SIGTERM or SIGINT, then
+``python -m bench.chaos.rendezvous --host H --port P`` serves the store on port P until SIGTERM or SIGINT, then
 exits 0. It prints ``rendezvous store ready on H:P`` once clients can connect. Ranks use it only to find each other
 when a job (re)starts, so running ranks keep training while it is down; a restarted server starts empty (every
 incarnation of a job uses its own key prefix).

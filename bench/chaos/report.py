@@ -16,7 +16,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 from matplotlib.axes import Axes  # noqa: E402
 
-from p2p_diloco.chaos.results import MethodResult  # noqa: E402
+from bench.chaos.results import MethodResult  # noqa: E402
 
 
 def equal_tokens(results: list[MethodResult]) -> int | None:

@@ -23,16 +23,17 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from p2p_diloco.chaos.links import bytes_between, peak_rate_bps, read_samples  # noqa: E402
-from p2p_diloco.chaos.report import (  # noqa: E402
+from bench.chaos.links import bytes_between, peak_rate_bps, read_samples  # noqa: E402
+from bench.chaos.report import (  # noqa: E402
     command_note,
     equal_tokens,
     loss_at_tokens,
     method_summary,
     plot_eval_curves,
 )
-from p2p_diloco.chaos.results import MethodResult  # noqa: E402
-from p2p_diloco.metrics import read_events  # noqa: E402
+from bench.chaos.results import MethodResult  # noqa: E402
+from bench.events import LinkBytes, RankStep  # noqa: E402
+from p2p_diloco.events import InnerStep, Stop, read_events  # noqa: E402
 
 BASELINE = "sync-dp"
 # sync-dp on 127.0.0.1 without a rate limit: the same math as sync-dp, so the same eval loss per token, reached at token
@@ -41,8 +42,6 @@ BASELINE = "sync-dp"
 QUALITY_REFERENCE = "dp-reference"
 LINKS_FILE = "links.jsonl"
 PEAK_WINDOW_S = 1.0
-
-Event = Mapping[str, Any]
 
 
 @dataclass(frozen=True)
@@ -60,30 +59,34 @@ class StepSpan:
         return self.compute_s / self.window_s if self.window_s > 0 else None
 
 
-def step_span(events: Sequence[Event]) -> StepSpan | None:
-    """The :class:`StepSpan` of one unit's metrics events; None when it logged no step.
+def step_span(metrics: Path) -> StepSpan | None:
+    """The :class:`StepSpan` of one unit's metrics log (a gang rank's or a swarm unit's); None when it logged no step.
 
     A gang rank logs every ``step`` (``compute_s`` excludes the all-reduce), so the window's compute is exact. A swarm
-    unit logs an ``inner_step`` every 10 steps; the window's compute is then its mean step compute (the last ``stop``
-    event's ``compute_s`` / ``inner_step``; without a stop, the mean of the logged steps' ``seconds``) times the steps
-    between its first and last logged step, and its step count is the stop's (else the last logged step)."""
-    steps = sorted((event for event in events if event["event"] == "step"), key=lambda event: event["time"])
+    unit logs an ``inner_step`` every 10 steps; see :func:`unit_span`."""
+    steps = sorted(read_events(metrics, RankStep), key=lambda event: event.time)
     if steps:
-        return StepSpan(
-            len(steps), sum(float(event["compute_s"]) for event in steps[1:]), steps[-1]["time"] - steps[0]["time"]
-        )
-    marks = sorted((event for event in events if event["event"] == "inner_step"), key=lambda event: event["time"])
-    stops = [event for event in events if event["event"] == "stop" and event.get("inner_step")]
+        return StepSpan(len(steps), sum(event.compute_s for event in steps[1:]), steps[-1].time - steps[0].time)
+    return unit_span(read_events(metrics, InnerStep), read_events(metrics, Stop))
+
+
+def unit_span(marks: Sequence[InnerStep], stops: Sequence[Stop]) -> StepSpan | None:
+    """A swarm unit's span from its ``inner_step`` marks (every 10 steps): the window's compute is its mean step compute
+    (the last ``stop`` event's ``compute_s`` / ``inner_step``; without a stop, the mean of the marks' ``seconds``) times
+    the steps between its first and last mark, and its step count is the stop's (else the last mark's step); None
+    without marks."""
+    marks = sorted(marks, key=lambda event: event.time)
+    stops = [event for event in stops if event.inner_step]
     if not marks:
         return None
     if stops:
-        inner_steps = int(stops[-1]["inner_step"])
-        mean_compute_s = float(stops[-1]["compute_s"]) / inner_steps
+        inner_steps = stops[-1].inner_step
+        mean_compute_s = stops[-1].compute_s / inner_steps
     else:
-        inner_steps = int(marks[-1]["step"])
-        mean_compute_s = statistics.fmean(float(event["seconds"]) for event in marks)
-    window_steps = int(marks[-1]["step"]) - int(marks[0]["step"])
-    return StepSpan(inner_steps, mean_compute_s * window_steps, marks[-1]["time"] - marks[0]["time"])
+        inner_steps = marks[-1].step
+        mean_compute_s = statistics.fmean(event.seconds for event in marks)
+    window_steps = marks[-1].step - marks[0].step
+    return StepSpan(inner_steps, mean_compute_s * window_steps, marks[-1].time - marks[0].time)
 
 
 @dataclass(frozen=True)
@@ -95,9 +98,9 @@ class LinkUse:
     peak_bps: float | None  # None: the samples span less than one window
 
 
-def link_use(samples: Sequence[Event], node: str, window_s: float = PEAK_WINDOW_S) -> LinkUse | None:
+def link_use(samples: Sequence[LinkBytes], node: str, window_s: float = PEAK_WINDOW_S) -> LinkUse | None:
     """``node``'s :class:`LinkUse` from link samples; None when it has no sample."""
-    times = [float(sample["time"]) for sample in samples if sample.get("node") == node]
+    times = [sample.time for sample in samples if sample.node == node]
     if not times:
         return None
     tx_bytes, rx_bytes = bytes_between(samples, node, min(times), max(times))
@@ -137,9 +140,7 @@ def read_units(run_dir: Path, units: int) -> list[UnitWan]:
     """Every unit slot of a method's run folder (a missing log or sample file gives None parts)."""
     samples = read_samples(run_dir / LINKS_FILE)
     return [
-        UnitWan(
-            unit, step_span(read_events(run_dir / f"unit{unit}" / "metrics.jsonl")), link_use(samples, f"unit{unit}")
-        )
+        UnitWan(unit, step_span(run_dir / f"unit{unit}" / "metrics.jsonl"), link_use(samples, f"unit{unit}"))
         for unit in range(units)
     ]
 

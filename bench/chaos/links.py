@@ -6,18 +6,16 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Protocol
+from typing import Protocol
 
-from p2p_diloco.metrics import MetricsLog, read_events
+from bench.events import LinkBytes
+from p2p_diloco.events import read_events
+from p2p_diloco.metrics import MetricsLog
 
 logger = logging.getLogger(__name__)
-
-LINK_EVENT = "link_bytes"
-
-Sample = Mapping[str, Any]
 
 
 class ByteCounters(Protocol):
@@ -27,8 +25,8 @@ class ByteCounters(Protocol):
 
 class LinkMonitor:
     """Context manager: while entered, one thread samples ``counters.interface_bytes`` of every node in ``nodes``
-    every ``interval_s`` (and once more on exit) and appends ``{"time", "event": "link_bytes", "node", "tx_bytes",
-    "rx_bytes"}`` lines to ``path``, which is opened for appending on construction. A failed sample is logged and
+    every ``interval_s`` (and once more on exit) and appends a ``link_bytes`` event (``bench/events.py``) per node to
+    ``path``, which is opened for appending on construction. A failed sample is logged and
     skipped; the thread is stopped and joined on exit. Raises ValueError for an ``interval_s`` that is not positive."""
 
     def __init__(self, counters: ByteCounters, nodes: list[str], path: Path, interval_s: float = 0.5):
@@ -63,17 +61,17 @@ class LinkMonitor:
         for node in self.nodes:
             try:
                 tx_bytes, rx_bytes = self.counters.interface_bytes(node)
-                self._log.write(LINK_EVENT, node=node, tx_bytes=tx_bytes, rx_bytes=rx_bytes)
+                self._log.write(LinkBytes(node=node, tx_bytes=tx_bytes, rx_bytes=rx_bytes))
             except Exception as error:  # a lost sample must never end the run
                 logger.warning("link counters of %s not sampled: %s", node, error)
 
 
-def read_samples(path: Path) -> list[dict]:
+def read_samples(path: Path) -> list[LinkBytes]:
     """The link samples in a :class:`LinkMonitor` file (other events skipped); empty if there is no file."""
-    return [event for event in read_events(path) if event.get("event") == LINK_EVENT]
+    return read_events(path, LinkBytes)
 
 
-def bytes_between(samples: Iterable[Sample], node: str, start: float, end: float) -> tuple[int, int]:
+def bytes_between(samples: Iterable[LinkBytes], node: str, start: float, end: float) -> tuple[int, int]:
     """``(tx_bytes, rx_bytes)`` of ``node`` between unix times ``start`` and ``end``, from its cumulative counters
     interpolated linearly between samples; the parts of the window outside the sampled span count nothing. Raises
     ValueError when ``end < start`` or ``node`` has no samples."""
@@ -87,7 +85,7 @@ def bytes_between(samples: Iterable[Sample], node: str, start: float, end: float
 
 
 def peak_rate_bps(
-    samples: Iterable[Sample], node: str, window_s: float = 1.0, start: float | None = None, end: float | None = None
+    samples: Iterable[LinkBytes], node: str, window_s: float = 1.0, start: float | None = None, end: float | None = None
 ) -> float:
     """Highest rate of ``node``'s link, in bits/s, sent or received, over the windows that run from a sample to the
     first later sample at least ``window_s`` after it (only samples at unix times within [start, end] are used).
@@ -114,13 +112,9 @@ def peak_rate_bps(
     return peak
 
 
-def _points(samples: Iterable[Sample], node: str) -> list[tuple[float, int, int]]:
+def _points(samples: Iterable[LinkBytes], node: str) -> list[tuple[float, int, int]]:
     """``(time, tx_bytes, rx_bytes)`` of ``node``'s samples, sorted by time."""
-    return sorted(
-        (float(sample["time"]), int(sample["tx_bytes"]), int(sample["rx_bytes"]))
-        for sample in samples
-        if sample.get("node") == node
-    )
+    return sorted((sample.time, sample.tx_bytes, sample.rx_bytes) for sample in samples if sample.node == node)
 
 
 def _counters_at(points: list[tuple[float, int, int]], when: float) -> tuple[float, float]:

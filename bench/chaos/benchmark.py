@@ -23,16 +23,19 @@ from typing import Any
 import hivemind
 import torch
 
-from p2p_diloco.chaos.gang import GangTarget
-from p2p_diloco.chaos.harness import run_schedule
-from p2p_diloco.chaos.namespaces import Namespaces
-from p2p_diloco.chaos.network import ChaosNetwork, Loopback
-from p2p_diloco.chaos.report import command_note, equal_tokens, loss_at_tokens, write_report
-from p2p_diloco.chaos.results import MethodResult
-from p2p_diloco.chaos.schedule import Fault, FaultRates, fraction_with_any_unit_down, poisson_schedule
-from p2p_diloco.chaos.swarm_target import SwarmTarget, TrainingSetup
-from p2p_diloco.chaos.target import ChaosTarget
-from p2p_diloco.metrics import MetricsLog, read_events
+from bench.chaos.gang import GangTarget
+from bench.chaos.harness import run_schedule
+from bench.chaos.namespaces import Namespaces
+from bench.chaos.network import ChaosNetwork, Loopback
+from bench.chaos.report import command_note, equal_tokens, loss_at_tokens, write_report
+from bench.chaos.results import MethodResult
+from bench.chaos.schedule import Fault, FaultRates, fraction_with_any_unit_down, poisson_schedule
+from bench.chaos.swarm_target import SwarmTarget
+from bench.chaos.target import ChaosTarget
+from bench.events import MethodStart
+from bench.training import TrainingSetup
+from p2p_diloco.events import read_events
+from p2p_diloco.metrics import MetricsLog
 
 logger = logging.getLogger(__name__)
 
@@ -88,11 +91,7 @@ def _target(method: str, config: ChaosConfig, network: ChaosNetwork, log: Metric
 def rebuilt_result(target: ChaosTarget, schedule_log: Path) -> MethodResult:
     """``target``'s result from the logs of a finished run of it (its start time is read from the schedule log).
     Raises ValueError when that log has no run of ``target.name``."""
-    starts = [
-        event["time"]
-        for event in read_events(schedule_log)
-        if event["event"] == "method_start" and event["method"] == target.name
-    ]
+    starts = [event.time for event in read_events(schedule_log, MethodStart) if event.method == target.name]
     if not starts:
         raise ValueError(f"{schedule_log} has no run of method {target.name!r}")
     target.started_at = starts[-1]

@@ -2,7 +2,7 @@
 
 Two runs with the same ``p2p-diloco join`` flags (model, data pipeline, seed, threads, batch, number of steps):
 
-* A, the bare loop: ``python -m p2p_diloco.overhead FLAGS``: :meth:`InnerTrainer.train_step` over the unit's data
+* A, the bare loop: ``python -m bench.overhead FLAGS``: :meth:`InnerTrainer.train_step` over the unit's data
   pipeline (with a data order of its own: batches of the same shape), nothing else (no DHT, averager or rounds);
 * B, a real lone unit: ``python -m p2p_diloco.cli join FLAGS`` without initial peers, so it runs its own DHT and its
   rounds complete alone after their matchmaking window.
@@ -29,13 +29,15 @@ from typing import Any
 
 import torch
 
-from p2p_diloco.chaos.swarm_target import TrainingSetup
+from bench import lab_environment, module_command
+from bench.training import TrainingSetup
 from p2p_diloco.config import PeerConfig, add_config_arguments, load_config
 from p2p_diloco.data import load_text_data, shard_seed
-from p2p_diloco.demo import CORPUS, TINY_MODEL, spawn, stop_process_groups
+from p2p_diloco.events import InnerStep, OuterRound, read_events
 from p2p_diloco.inner import InnerTrainer
+from p2p_diloco.launcher import CLI, spawn, stop_process_groups
 from p2p_diloco.lifecycle import descendant_pids
-from p2p_diloco.metrics import MetricsLog, read_events
+from p2p_diloco.metrics import MetricsLog
 from p2p_diloco.model import load_model
 
 EVENT_EVERY = 10  # LearningUnit.run writes an inner_step event every 10 steps
@@ -66,7 +68,7 @@ def bare_loop(config: PeerConfig) -> None:
         for step in range(1, config.run.max_steps + 1):
             stats = trainer.train_step(batches)
             if step % EVENT_EVERY == 0:
-                metrics.write("inner_step", step=step, loss=stats.loss, seconds=stats.seconds)
+                metrics.write(InnerStep(step=step, loss=stats.loss, seconds=stats.seconds))
 
 
 def shared_flags(steps: int, work_dir: Path, setup: TrainingSetup) -> list[str]:
@@ -127,12 +129,12 @@ def timed_run(command: list[str], work_dir: Path, from_step: int, steps: int) ->
     POLL_S). Raises RuntimeError when it fails, outlives RUN_TIMEOUT_S or logs no such steps."""
     work_dir.mkdir(parents=True, exist_ok=True)
     metrics = work_dir / "metrics.jsonl"
-    process = spawn(command, work_dir / "stdout.log")
+    process = spawn(command, work_dir / "stdout.log", env=lab_environment())
     snapshots: dict[int, Snapshot] = {}
     try:
         deadline = time.monotonic() + RUN_TIMEOUT_S
         while process.poll() is None and time.monotonic() < deadline:
-            logged = {event["step"] for event in read_events(metrics) if event["event"] == "inner_step"}
+            logged = {event.step for event in read_events(metrics, InnerStep)}
             for step in (from_step, steps):
                 if step in logged and step not in snapshots:
                     snapshots[step] = Snapshot.take(process.pid)
@@ -141,29 +143,33 @@ def timed_run(command: list[str], work_dir: Path, from_step: int, steps: int) ->
         stop_process_groups([process], grace_s=10.0)
     if process.returncode != 0 or len(snapshots) < 2:
         raise RuntimeError(f"{' '.join(command)} ended with {process.returncode}; see {work_dir / 'stdout.log'}")
-    return timing(read_events(metrics), from_step, snapshots[from_step], snapshots[steps])
+    return timing(read_events(metrics, InnerStep), read_events(metrics, OuterRound), from_step, snapshots[from_step],
+                  snapshots[steps])  # fmt: skip
 
 
-def timing(events: list[dict], from_step: int, first: Snapshot, last: Snapshot) -> RunTiming:
-    """The window's numbers from a run's events and its CPU snapshots; CPU per step is the CPU share between the
-    snapshots times the wall time per step. Raises ValueError when the events do not cover the window."""
-    steps = {event["step"]: event for event in events if event["event"] == "inner_step"}
+def timing(
+    marks: list[InnerStep], rounds: list[OuterRound], from_step: int, first: Snapshot, last: Snapshot
+) -> RunTiming:
+    """The window's numbers from a run's ``inner_step`` and ``outer_round`` events and its CPU snapshots; CPU per step
+    is the CPU share between the snapshots times the wall time per step. Raises ValueError when the events do not
+    cover the window."""
+    steps = {event.step: event for event in marks}
     final = max(steps, default=0)
     if from_step not in steps or final <= from_step:
         raise ValueError(f"no inner_step events from step {from_step} on (last: {final})")
-    start, end = steps[from_step]["time"], steps[final]["time"]
+    start, end = steps[from_step].time, steps[final].time
     step_s = (end - start) / (final - from_step)
-    window = [event for event in steps.values() if from_step < event["step"]]
-    rounds = [e for e in events if e["event"] == "outer_round" and start < e["time"] <= end]
+    window = [event for event in steps.values() if from_step < event.step]
+    in_window = [event for event in rounds if start < event.time <= end]
     background = sum(cpu - first.background.get(pid, 0.0) for pid, cpu in last.background.items())
     per_step = step_s / (last.time - first.time)
     return RunTiming(
         step_s=step_s,
-        train_step_s=statistics.mean(event["seconds"] for event in window),
+        train_step_s=statistics.mean(event.seconds for event in window),
         main_cpu_s=(last.main - first.main) * per_step,
         background_cpu_s=background * per_step,
-        rounds=len(rounds),
-        solo_rounds=sum(r["group_size"] == 1 for r in rounds),
+        rounds=len(in_window),
+        solo_rounds=sum(event.group_size == 1 for event in in_window),
     )
 
 
@@ -182,7 +188,7 @@ def measure(out: Path, steps: int, repeats: int, from_step: int, variants: dict[
     ValueError unless ``from_step`` and ``steps`` are logged steps with ``from_step`` < ``steps``."""
     if from_step % EVENT_EVERY or steps % EVENT_EVERY or not 0 < from_step < steps:
         raise ValueError(f"from_step and steps must be multiples of {EVENT_EVERY} with 0 < from_step < steps")
-    setup = TrainingSetup(model_config=TINY_MODEL, dataset=CORPUS, eval_every_steps=NEVER)
+    setup = TrainingSetup(eval_every_steps=NEVER)
     results = []
     for index in range(repeats):
         order = ["bare", *variants]
@@ -193,9 +199,9 @@ def measure(out: Path, steps: int, repeats: int, from_step: int, variants: dict[
             work_dir = out / "runs" / f"{index}-{name}"
             flags = shared_flags(steps, work_dir, setup)
             if name == "bare":
-                command = [sys.executable, "-m", "p2p_diloco.overhead", *flags]
+                command = module_command("bench.overhead", *flags)
             else:
-                command = [sys.executable, "-m", "p2p_diloco.cli", "join", *flags, *variants[name]]
+                command = [*CLI, "join", *flags, *variants[name]]
             timings[name] = timed_run(command, work_dir, from_step, steps)
             if name != "bare" and timings[name].rounds == 0:
                 raise RuntimeError(f"the lone unit completed no outer round in the window; see {work_dir}")

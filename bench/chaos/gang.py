@@ -23,25 +23,46 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
-from p2p_diloco.chaos.faults import freeze_tree, kill_tree, thaw
-from p2p_diloco.chaos.network import ChaosNetwork
-from p2p_diloco.chaos.results import EvalPoint, MethodResult, UnitResult
-from p2p_diloco.chaos.swarm_target import TrainingSetup
-from p2p_diloco.demo import spawn
-from p2p_diloco.metrics import MetricsLog, read_events
+from bench import lab_environment, module_command
+from bench.chaos.faults import freeze_tree, kill_tree, thaw
+from bench.chaos.network import ChaosNetwork
+from bench.chaos.results import EvalPoint, MethodResult, UnitResult
+from bench.events import (
+    GangCrash,
+    GangFinish,
+    GangFreeze,
+    GangHeal,
+    GangPartition,
+    GangRecover,
+    GangStart,
+    GangThaw,
+    JobEnd,
+    JobStart,
+    RankCheckpoint,
+    RankEval,
+    RankStart,
+    RankStep,
+    RendezvousCrash,
+    RendezvousStart,
+    ScaleUp,
+    UnitExit,
+)
+from bench.training import TrainingSetup
+from p2p_diloco.events import Event, read_events
+from p2p_diloco.launcher import spawn
+from p2p_diloco.metrics import MetricsLog
 
 logger = logging.getLogger(__name__)
 
 Mode = Literal["sync-dp", "sync-diloco"]
 Policy = Literal["fixed", "elastic"]
-Event = Mapping[str, Any]
+RANK_LOG = (RankStart, RankStep, RankCheckpoint, RankEval)  # the kinds of a rank's log that goodput is rebuilt from
 
 
 @dataclass
@@ -90,21 +111,23 @@ class GangTarget:
         self.gang_log: MetricsLog | None = None
 
     # ------------------------------------------------------------------------------------------ processes
-    def _record(self, event: str, **fields: Any) -> None:
+    def _record(self, event: Event) -> None:
         assert self.gang_log is not None, "start() first"
-        self.gang_log.write(event, **fields)
-        logger.info("gang %s %s %s", self.name, event, " ".join(f"{key}={value}" for key, value in fields.items()))
+        self.gang_log.write(event)
+        fields = " ".join(f"{key}={value}" for key, value in event.fields().items())
+        logger.info("gang %s %s %s", self.name, event.event, fields)
 
     def _rendezvous_up(self) -> bool:
         return self.rendezvous is not None and self.rendezvous.poll() is None
 
     def _start_rendezvous(self) -> list[int]:
-        command = [
-            sys.executable, "-m", "p2p_diloco.chaos.rendezvous",
-            "--host", self.network.host("bootstrap"), "--port", str(self.port),
-        ]  # fmt: skip
-        self.rendezvous = spawn(self.network.wrap("bootstrap", command), self.run_dir / "rendezvous.log")
-        self._record("rendezvous_start", pid=self.rendezvous.pid, port=self.port)
+        command = module_command(
+            "bench.chaos.rendezvous", "--host", self.network.host("bootstrap"), "--port", str(self.port)
+        )
+        self.rendezvous = spawn(
+            self.network.wrap("bootstrap", command), self.run_dir / "rendezvous.log", env=lab_environment()
+        )
+        self._record(RendezvousStart(pid=self.rendezvous.pid, port=self.port))
         return [self.rendezvous.pid]
 
     def available(self) -> list[int]:
@@ -113,8 +136,8 @@ class GangTarget:
 
     def _rank_command(self, unit: int, rank: int, world_size: int, incarnation: int) -> list[str]:
         setup = self.setup
-        return [
-            sys.executable, "-m", "p2p_diloco.chaos.baseline_worker",
+        return module_command(
+            "bench.chaos.baseline_worker",
             "--mode", self.mode,
             "--unit", str(unit), "--rank", str(rank), "--world-size", str(world_size),
             "--incarnation", str(incarnation),
@@ -127,7 +150,7 @@ class GangTarget:
             "--inner-steps", str(setup.inner_steps), "--checkpoint-every-steps", str(self.checkpoint_every_steps),
             "--eval-every-steps", str(setup.eval_every_steps), "--gloo-timeout-s", str(self.gloo_timeout_s),
             "--seed", str(setup.seed),
-        ]  # fmt: skip
+        )  # fmt: skip
 
     def _maybe_start_job(self) -> None:
         """Start the next incarnation if the policy allows it now (see the module docstring)."""
@@ -140,17 +163,20 @@ class GangTarget:
             unit_dir = self.run_dir / f"unit{unit}"
             unit_dir.mkdir(parents=True, exist_ok=True)
             command = self._rank_command(unit, rank, len(members), incarnation)
-            processes[unit] = spawn(self.network.wrap(f"unit{unit}", command), unit_dir / "stdout.log")
+            processes[unit] = spawn(
+                self.network.wrap(f"unit{unit}", command), unit_dir / "stdout.log", env=lab_environment()
+            )
         self.job = _Job(incarnation, processes)
         self._record(
-            "job_start",
-            incarnation=incarnation,
-            world_size=len(members),
-            units=" ".join(map(str, members)),
-            pids=" ".join(str(process.pid) for process in processes.values()),
+            JobStart(
+                incarnation=incarnation,
+                world_size=len(members),
+                units=" ".join(map(str, members)),
+                pids=" ".join(str(process.pid) for process in processes.values()),
+            )
         )
 
-    def _end_job(self, reason: str) -> None:
+    def _end_job(self, reason: Literal["failure", "scale_up", "finish"]) -> None:
         """SIGKILL what is left of the job and reap it; logs every rank's exit code."""
         assert self.job is not None
         for process in self.job.processes.values():
@@ -158,10 +184,11 @@ class GangTarget:
                 kill_tree(process.pid)
         codes = {unit: process.wait() for unit, process in self.job.processes.items()}
         self._record(
-            "job_end",
-            incarnation=self.job.incarnation,
-            reason=reason,
-            exit_codes=" ".join(f"unit{unit}:{code}" for unit, code in codes.items()),
+            JobEnd(
+                incarnation=self.job.incarnation,
+                reason=reason,
+                exit_codes=" ".join(f"unit{unit}:{code}" for unit, code in codes.items()),
+            )
         )
         self.job = None
 
@@ -179,7 +206,7 @@ class GangTarget:
         self.gang_log = MetricsLog(self.run_dir / "gang.jsonl")
         self.port = _free_port()
         self.started_at = time.time()
-        self._record("gang_start", mode=self.mode, policy=self.policy, units=self.units)
+        self._record(GangStart(mode=self.mode, policy=self.policy, units=self.units))
         self._start_rendezvous()
         self._maybe_start_job()
 
@@ -188,35 +215,35 @@ class GangTarget:
         self.frozen.pop(unit, None)  # a machine that lost power is no longer frozen when it comes back
         process = self.job.processes.get(unit) if self.job is not None else None
         pids = kill_tree(process.pid) if process is not None and process.poll() is None else []
-        self._record("crash", unit=unit, pids=" ".join(map(str, pids)))
+        self._record(GangCrash(unit=unit, pids=" ".join(map(str, pids))))
         return pids
 
     def recover(self, unit: int) -> list[int]:
         """Marks ``unit`` up; the policy restarts ranks on :meth:`tick` (their pids are in gang.jsonl)."""
         self.down.discard(unit)
-        self._record("recover", unit=unit)
+        self._record(GangRecover(unit=unit))
         return []
 
     def freeze(self, unit: int) -> list[int]:
         process = self.job.processes.get(unit) if self.job is not None else None
         self.frozen[unit] = freeze_tree(process.pid) if process is not None and process.poll() is None else []
-        self._record("freeze", unit=unit, pids=" ".join(map(str, self.frozen[unit])))
+        self._record(GangFreeze(unit=unit, pids=" ".join(map(str, self.frozen[unit]))))
         return self.frozen[unit]
 
     def thaw(self, unit: int) -> list[int]:
         pids = thaw(self.frozen.pop(unit, []))
-        self._record("thaw", unit=unit, pids=" ".join(map(str, pids)))
+        self._record(GangThaw(unit=unit, pids=" ".join(map(str, pids))))
         return pids
 
     def partition(self, unit: int) -> None:
         self.network.cut(f"unit{unit}")
         self.cut.add(unit)
-        self._record("partition", unit=unit)
+        self._record(GangPartition(unit=unit))
 
     def heal(self, unit: int) -> None:
         self.network.restore(f"unit{unit}")
         self.cut.discard(unit)
-        self._record("heal", unit=unit)
+        self._record(GangHeal(unit=unit))
 
     def crash_bootstrap(self) -> list[int]:
         if not self._rendezvous_up():
@@ -224,7 +251,7 @@ class GangTarget:
         assert self.rendezvous is not None
         pids = kill_tree(self.rendezvous.pid)
         self.rendezvous.wait()
-        self._record("rendezvous_crash", pids=" ".join(map(str, pids)))
+        self._record(RendezvousCrash(pids=" ".join(map(str, pids))))
         return pids
 
     def recover_bootstrap(self) -> list[int]:
@@ -246,10 +273,10 @@ class GangTarget:
             elif exited:
                 for unit, code in exited.items():
                     if self.log is not None:
-                        self.log.write("unit_exit", method=self.name, unit=unit, exit_code=code)
+                        self.log.write(UnitExit(method=self.name, unit=unit, exit_code=code))
                 self._end_job("failure")
             elif self.policy == "elastic" and self._rendezvous_up() and set(self.available()) - job.processes.keys():
-                self._record("scale_up", incarnation=job.incarnation, available=" ".join(map(str, self.available())))
+                self._record(ScaleUp(incarnation=job.incarnation, available=" ".join(map(str, self.available()))))
                 self._stop_job(self.scale_up_grace_s)
         if self.job is None:
             self._maybe_start_job()
@@ -268,14 +295,15 @@ class GangTarget:
         if self.rendezvous is not None:
             kill_tree(self.rendezvous.pid)
             self.rendezvous.wait()
-        self._record("gang_finish", incarnations=self.incarnations)
+        self._record(GangFinish(incarnations=self.incarnations))
         assert self.gang_log is not None
         self.gang_log.close()
 
     def result(self) -> MethodResult:
-        per_unit = [read_events(self.run_dir / f"unit{unit}" / "metrics.jsonl") for unit in range(self.units)]
+        logs = [self.run_dir / f"unit{unit}" / "metrics.jsonl" for unit in range(self.units)]
+        per_unit = [read_events(log, *RANK_LOG) for log in logs]
         everything = [event for events in per_unit for event in events]
-        starts = {event["incarnation"]: event["world_size"] for event in everything if event["event"] == "start"}
+        starts = {event.incarnation: event.world_size for event in everything if isinstance(event, RankStart)}
         notes = [
             f"{self.policy} policy: {len(starts)} incarnations trained, world sizes "
             + ", ".join(f"{incarnation}:{size}" for incarnation, size in sorted(starts.items()))
@@ -307,11 +335,11 @@ def kept_step_limits(events: Iterable[Event]) -> dict[int, int]:
     (after a graceful stop, its final step). A step's index is the job's step count after it.
     """
     events = list(events)
-    resumed = {event["incarnation"]: int(event["resumed_step"]) for event in events if event["event"] == "start"}
+    resumed = {event.incarnation: event.resumed_step for event in events if isinstance(event, RankStart)}
     checkpoints: dict[int, int] = {}
     for event in events:
-        if event["event"] == "checkpoint":
-            checkpoints[event["incarnation"]] = max(checkpoints.get(event["incarnation"], 0), int(event["step"]))
+        if isinstance(event, RankCheckpoint):
+            checkpoints[event.incarnation] = max(checkpoints.get(event.incarnation, 0), event.step)
     order = sorted(resumed)
     limits = {incarnation: resumed[successor] for incarnation, successor in zip(order, order[1:])}
     if order:
@@ -326,15 +354,15 @@ def unit_results(events_by_unit: Sequence[Sequence[Event]]) -> list[UnitResult]:
     limits = kept_step_limits(event for events in events_by_unit for event in events)
     results = []
     for unit, events in enumerate(events_by_unit):
-        steps = [event for event in events if event["event"] == "step"]
-        kept = [event for event in steps if event["step"] <= limits.get(event["incarnation"], -1)]
+        steps = [event for event in events if isinstance(event, RankStep)]
+        kept = [event for event in steps if event.step <= limits.get(event.incarnation, -1)]
         results.append(
             UnitResult(
                 unit,
-                compute_s=sum(event["compute_s"] for event in steps),
-                useful_compute_s=sum(event["compute_s"] for event in kept),
-                tokens=sum(event["tokens"] for event in steps),
-                useful_tokens=sum(event["tokens"] for event in kept),
+                compute_s=sum(event.compute_s for event in steps),
+                useful_compute_s=sum(event.compute_s for event in kept),
+                tokens=sum(event.tokens for event in steps),
+                useful_tokens=sum(event.tokens for event in kept),
             )
         )
     return results
@@ -343,9 +371,9 @@ def unit_results(events_by_unit: Sequence[Sequence[Event]]) -> list[UnitResult]:
 def eval_points(events: Iterable[Event], started_at: float) -> list[EvalPoint]:
     """Rank 0's evals in time order, at seconds since ``started_at`` (a non-finite loss, logged as null, is left
     out)."""
-    evals = sorted((event for event in events if event["event"] == "eval"), key=lambda event: event["time"])
+    evals = sorted((event for event in events if isinstance(event, RankEval)), key=lambda event: event.time)
     return [
-        EvalPoint(event["time"] - started_at, int(event["tokens_in_model"]), float(event["eval_loss"]))
+        EvalPoint(event.time - started_at, event.tokens_in_model, event.eval_loss)
         for event in evals
-        if event["eval_loss"] is not None
+        if event.eval_loss is not None
     ]

@@ -1,5 +1,5 @@
 """One rank of a conventional synchronous job (torch.distributed, gloo, CPU, one thread): the baselines of the chaos
-comparison, started by :class:`p2p_diloco.chaos.gang.GangTarget` as ``python -m p2p_diloco.chaos.baseline_worker``.
+comparison, started by :class:`bench.chaos.gang.GangTarget` as ``python -m bench.chaos.baseline_worker``.
 
 Modes:
 
@@ -44,8 +44,9 @@ from pathlib import Path
 import torch
 from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
 
+from bench.events import RankCheckpoint, RankEval, RankFailed, RankStart, RankStep, RankStop
 from p2p_diloco.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
-from p2p_diloco.config import DataSection, InnerSection, ModelSection
+from p2p_diloco.config import DataSection, InnerSection, ModelSection, OuterSection
 from p2p_diloco.data import load_text_data, shard_seed
 from p2p_diloco.diloco import OuterHyperparams, outer_step, pseudo_gradient
 from p2p_diloco.inner import InnerTrainer, StepStats
@@ -55,7 +56,8 @@ from p2p_diloco.model import load_model
 
 MODES = ("sync-dp", "sync-diloco")
 CHECKPOINT_FILE = "checkpoint.pt"
-OUTER = OuterHyperparams(lr=0.7, momentum=0.9, nesterov=True)
+_OUTER = OuterSection()  # sync-diloco's outer step: the defaults of ``p2p-diloco join``
+OUTER = OuterHyperparams(_OUTER.outer_lr, _OUTER.outer_momentum, _OUTER.nesterov)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -71,16 +73,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--work-dir", type=Path, required=True, help="the job folder: shared checkpoint, unit logs")
     parser.add_argument("--model-config", required=True)
     parser.add_argument("--dataset", required=True)
-    parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--batch-size", type=int, default=8)
-    parser.add_argument("--eval-batches", type=int, default=8)
-    parser.add_argument("--inner-lr", type=float, default=3e-3)
-    parser.add_argument("--inner-steps", type=int, default=20, help="H of sync-diloco")
-    parser.add_argument("--checkpoint-every-steps", type=int, default=20, help="sync-dp (sync-diloco: every round)")
-    parser.add_argument("--eval-every-steps", type=int, default=100)
-    parser.add_argument("--gloo-timeout-s", type=float, default=10.0, help="a collective fails after this long")
+    # the training setup (bench/training.py) and the job's cadences: the gang passes them all
+    for flag, kind in [("--seq-len", int), ("--batch-size", int), ("--eval-batches", int), ("--inner-lr", float),
+                       ("--inner-steps", int), ("--checkpoint-every-steps", int), ("--eval-every-steps", int),
+                       ("--gloo-timeout-s", float), ("--seed", int)]:  # fmt: skip
+        parser.add_argument(flag, type=kind, required=True)
     parser.add_argument("--rendezvous-timeout-s", type=float, default=120.0, help="wait this long for every rank")
-    parser.add_argument("--seed", type=int, default=0, help="initial weights and data order")
     return parser.parse_args(argv)
 
 
@@ -141,12 +139,13 @@ class BaselineRank:
         self.next_eval = 0 if self.step == 0 else (self.step // args.eval_every_steps + 1) * args.eval_every_steps
         self.group = GlooGroup(args)  # after the slow loading, so ranks wait for each other the least
         self.metrics.write(
-            "start",
-            incarnation=args.incarnation,
-            rank=args.rank,
-            world_size=args.world_size,
-            resumed_step=self.step,
-            tokens_in_model=self.tokens_in_model,
+            RankStart(
+                incarnation=args.incarnation,
+                rank=args.rank,
+                world_size=args.world_size,
+                resumed_step=self.step,
+                tokens_in_model=self.tokens_in_model,
+            )
         )
 
     def _resume(self, checkpoint: dict) -> None:
@@ -207,13 +206,14 @@ class BaselineRank:
     def _log_step(self, stats: StepStats, sync_seconds: float) -> None:
         self.step += 1
         self.metrics.write(
-            "step",
-            step=self.step,
-            compute_s=stats.seconds - stats.sync_seconds,
-            sync_s=sync_seconds,
-            tokens=stats.tokens,
-            loss=stats.loss,
-            incarnation=self.args.incarnation,
+            RankStep(
+                step=self.step,
+                compute_s=stats.seconds - stats.sync_seconds,
+                sync_s=sync_seconds,
+                tokens=stats.tokens,
+                loss=stats.loss,
+                incarnation=self.args.incarnation,
+            )
         )
 
     def maybe_evaluate(self, final: bool = False) -> None:
@@ -226,12 +226,13 @@ class BaselineRank:
         eval_loss = self.trainer.evaluate(self.data.eval_batches)
         if self.args.rank == 0:
             self.metrics.write(
-                "eval",
-                step=self.step,
-                tokens_in_model=self.tokens_in_model,
-                eval_loss=eval_loss,
-                final=final,
-                incarnation=self.args.incarnation,
+                RankEval(
+                    step=self.step,
+                    tokens_in_model=self.tokens_in_model,
+                    eval_loss=eval_loss,
+                    final=final,
+                    incarnation=self.args.incarnation,
+                )
             )
 
     def save(self) -> None:
@@ -251,7 +252,7 @@ class BaselineRank:
             },
         )
         self.saved_step = self.step
-        self.metrics.write("checkpoint", step=self.step, incarnation=self.args.incarnation)
+        self.metrics.write(RankCheckpoint(step=self.step, incarnation=self.args.incarnation))
 
     def finish(self) -> None:
         """After an agreed stop: rank 0 checkpoints (if not done at this step) and evaluates; every rank logs."""
@@ -259,7 +260,7 @@ class BaselineRank:
             if self.saved_step != self.step:
                 self.save()
             self.maybe_evaluate(final=True)
-        self.metrics.write("stop", step=self.step, incarnation=self.args.incarnation, rank=self.args.rank)
+        self.metrics.write(RankStop(step=self.step, incarnation=self.args.incarnation, rank=self.args.rank))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -275,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         rank.finish()
     except Exception as error:  # any failure ends this rank: the gang restarts the job
         metrics.write(
-            "failed", incarnation=args.incarnation, rank=args.rank, error=f"{type(error).__name__}: {error}"[:500]
+            RankFailed(incarnation=args.incarnation, rank=args.rank, error=f"{type(error).__name__}: {error}"[:500])
         )
         print(f"rank {args.rank} failed: {type(error).__name__}: {error}", file=sys.stderr, flush=True)
         metrics.close()

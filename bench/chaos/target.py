@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from p2p_diloco.chaos.results import MethodResult
+from bench.chaos.results import MethodResult
 
 
 class ChaosTarget(Protocol):

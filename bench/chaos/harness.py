@@ -12,10 +12,12 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Literal
 
-from p2p_diloco.chaos.results import MethodResult
-from p2p_diloco.chaos.schedule import Fault
-from p2p_diloco.chaos.target import ChaosTarget
+from bench.chaos.results import MethodResult
+from bench.chaos.schedule import Fault
+from bench.chaos.target import ChaosTarget
+from bench.events import FaultAction, MethodBudgetOver, MethodFinished, MethodStart
 from p2p_diloco.metrics import MetricsLog
 
 logger = logging.getLogger(__name__)
@@ -26,7 +28,7 @@ TICK_S = 0.2
 @dataclass(frozen=True)
 class _Action:
     at_s: float
-    phase: str  # "begin" or "end"
+    phase: Literal["begin", "end"]
     fault: Fault
 
 
@@ -56,7 +58,7 @@ def run_schedule(target: ChaosTarget, schedule: list[Fault], budget_s: float, lo
     launched), then finish the target and return its result. The target is finished even if an action raises."""
     target.start()
     started = time.monotonic()
-    log.write("method_start", method=target.name, budget_s=budget_s)
+    log.write(MethodStart(method=target.name, budget_s=budget_s))
     pending = _actions(schedule, budget_s)
     begun: list[Fault] = []
     try:
@@ -71,26 +73,27 @@ def run_schedule(target: ChaosTarget, schedule: list[Fault], budget_s: float, lo
             target.tick()
             time.sleep(min(TICK_S, max(0.0, budget_s - elapsed)))
     finally:
-        log.write("method_budget_over", method=target.name, elapsed_s=round(time.monotonic() - started, 3))
+        log.write(MethodBudgetOver(method=target.name, elapsed_s=round(time.monotonic() - started, 3)))
         for fault in begun:
             if fault.kind in ("straggler", "partition"):
                 action = _Action(fault.end_s, "end", fault)
                 _log(log, target, action, _apply(target, action), time.monotonic() - started)
         target.finish()
-    log.write("method_finished", method=target.name, elapsed_s=round(time.monotonic() - started, 3))
+    log.write(MethodFinished(method=target.name, elapsed_s=round(time.monotonic() - started, 3)))
     return target.result()
 
 
 def _log(log: MetricsLog, target: ChaosTarget, action: _Action, pids: list[int] | None, actual: float) -> None:
     log.write(
-        "fault",
-        method=target.name,
-        kind=action.fault.kind,
-        phase=action.phase,
-        unit=action.fault.unit,
-        planned_s=round(action.at_s, 3),
-        actual_s=round(actual, 3),
-        pids=" ".join(map(str, pids)) if pids is not None else None,
+        FaultAction(
+            method=target.name,
+            kind=action.fault.kind,
+            phase=action.phase,
+            unit=action.fault.unit,
+            planned_s=round(action.at_s, 3),
+            actual_s=round(actual, 3),
+            pids=" ".join(map(str, pids)) if pids is not None else None,
+        )
     )
     logger.info(
         "fault method=%s kind=%s phase=%s unit=%s at=%.1fs pids=%s",
