@@ -7,12 +7,12 @@ Two runs with the same ``p2p-diloco join`` flags (model, data pipeline, seed, th
 * B, a real lone unit: ``python -m p2p_diloco.cli join FLAGS`` without initial peers, so it runs its own DHT and its
   rounds complete alone after their matchmaking window.
 
-Both write an ``inner_step`` event every 10 steps to ``metrics.jsonl`` in their work dir, right after the step. The
-metric is wall seconds per inner step from step ``from_step`` to the last event (start-up excluded). A and the B
-variants alternate (reversed order every other repeat) to cancel machine drift; a variant's overhead is the median
-over repeats of B / A − 1, each B against the A of its own repeat. Where B's extra time goes: the duration of
-train_step itself (the logged steps' ``seconds``) against the rest of the loop, and the CPU time of the run's main
-process against that of its descendants (DHT, averagers, p2pd) over the same window.
+Both write an ``inner_step`` event every ``InnerStep.every`` (10) steps to ``metrics.jsonl`` in their work dir,
+right after the step. The metric is wall seconds per inner step from step ``from_step`` to the last event (start-up
+excluded). A and the B variants alternate (reversed order every other repeat) to cancel machine drift; a variant's
+overhead is the median over repeats of B / A − 1, each B against the A of its own repeat. Where B's extra time goes:
+the duration of train_step itself (the logged steps' ``seconds``) against the rest of the loop, and the CPU time of
+the run's main process against that of its descendants (DHT, averagers, p2pd) over the same window.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from p2p_diloco.lifecycle import descendant_pids
 from p2p_diloco.metrics import MetricsLog
 from p2p_diloco.model import load_model
 
-EVENT_EVERY = 10  # LearningUnit.run writes an inner_step event every 10 steps
+EVENT_EVERY = InnerStep.every  # a learning unit writes an inner_step event every this many steps
 NEVER = 10**6  # steps between evals, rounds between checkpoints: none within a measured run
 RUN_TIMEOUT_S = 1800.0
 POLL_S = 0.1

@@ -70,9 +70,7 @@ class Swarm:
         self.killed.discard(name)
         return self.processes[name]
 
-    def unit(
-        self, name: str, initial_peers: Sequence[str], *flags: str, duration_s: float = 600.0
-    ) -> subprocess.Popen:
+    def unit(self, name: str, initial_peers: Sequence[str], *flags: str, duration_s: float = 600.0) -> subprocess.Popen:
         """Start learning unit ``name`` (again, on the same work dir, if it ran before) joining through
         ``initial_peers``, training for ``duration_s`` seconds."""
         work_dir = self.root / name

@@ -1,4 +1,5 @@
-"""The one seam between a learning unit and the network: average one outer round with reachable peers.
+"""The one seam between a learning unit and the network: average one outer round with reachable peers. The seam is
+the :class:`Averager` protocol; :class:`OuterAverager` implements it on hivemind's ``DecentralizedAverager``.
 
 A round is started with :meth:`OuterAverager.begin_round` and never blocks: matchmaking and the all-reduce
 run in hivemind's averager process while the unit keeps training, and :meth:`OuterAverager.poll` returns
@@ -29,6 +30,7 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import InvalidStateError
 from dataclasses import dataclass
+from typing import Protocol
 
 import hivemind
 import torch
@@ -64,9 +66,36 @@ class RoundOutcome:
         """True when every member declared the same tag (e.g. averaged the same fragment)."""
         return len(set(self.member_tags)) <= 1
 
-    @property
-    def succeeded(self) -> bool:
-        return self.averaged is not None
+
+class Averager(Protocol):
+    """The network seam of a unit's outer rounds, as the round engine (rounds.py) uses it: :class:`OuterAverager`
+    is the real one, tests/fakes.py has in-memory ones. One round at a time; nothing here may block the inner loop
+    (but :meth:`finish_round`, bounded, at exit)."""
+
+    def begin_round(
+        self,
+        proposal: Sequence[torch.Tensor],
+        weight: float,
+        outer_round: int,
+        window_s: float,
+        probe: Sequence[float] = (),
+        tag: str = "",
+    ) -> bool:
+        """Start averaging ``proposal`` with whichever units meet within ``window_s``; False when it cannot be taken
+        now (nothing started). Raises RuntimeError with a round in flight, ValueError for a malformed request."""
+        ...
+
+    def poll(self) -> RoundOutcome | None:
+        """The outcome of the round in flight once it ended, else None; never raises for network failures."""
+        ...
+
+    def finish_round(self, timeout_s: float) -> RoundOutcome | None:
+        """Wait up to ``timeout_s`` for the round in flight; a round still running then is cancelled (None)."""
+        ...
+
+    def shutdown(self) -> None:
+        """Cancel the round in flight and release what the averager holds."""
+        ...
 
 
 @dataclass

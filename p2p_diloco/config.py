@@ -67,6 +67,12 @@ class InnerSection(_Section):
     grad_accum: int = Field(1, ge=1, le=1024, description="micro-batches accumulated per inner step")
 
 
+def _aliases(*old_names: str) -> dict[str, Any]:
+    """``json_schema_extra`` of a renamed field: its old names, still accepted as TOML keys, flags and overrides
+    (:func:`load_config` reads them as the field's name)."""
+    return {"aliases": list(old_names)}
+
+
 class OuterSection(_Section):
     inner_steps: int = Field(20, ge=1, description="H: inner steps between two outer rounds")
     outer_lr: float = Field(0.7, gt=0.0, le=10.0, description="outer SGD learning rate on the pseudo-gradient")
@@ -74,11 +80,19 @@ class OuterSection(_Section):
     nesterov: bool = Field(True, description="Nesterov outer momentum")
     quorum: int = Field(1, ge=1, description="K: smallest group whose average is accepted (1 = never wait)")
     target_group_size: int = Field(8, ge=1, le=256, description="a group stops recruiting at this size")
-    grace_fraction: float = Field(
-        0.5, gt=0.0, le=4.0, description="matchmaking window as a fraction of H measured inner-step times"
-    )
-    min_grace_s: float = Field(1.0, gt=0.0, description="lower bound of the matchmaking window (seconds)")
-    max_grace_s: float = Field(120.0, gt=0.0, description="upper bound of the matchmaking window (seconds)")
+    # the matchmaking window: how long a round recruits members (formerly "grace": the old names still work)
+    window_fraction: float = Field(
+        0.5, gt=0.0, le=4.0, description="matchmaking window as a fraction of H measured inner-step times",
+        json_schema_extra=_aliases("grace_fraction"),
+    )  # fmt: skip
+    min_window_s: float = Field(
+        1.0, gt=0.0, description="lower bound of the matchmaking window (seconds)",
+        json_schema_extra=_aliases("min_grace_s"),
+    )  # fmt: skip
+    max_window_s: float = Field(
+        120.0, gt=0.0, description="upper bound of the matchmaking window (seconds)",
+        json_schema_extra=_aliases("max_grace_s"),
+    )  # fmt: skip
     allreduce_timeout_s: float = Field(30.0, gt=0.0, description="bound on one all-reduce once a group formed")
     sync_momentum: bool = Field(True, description="average the outer momentum with the parameters (2x bytes)")
     fragments: int = Field(1, ge=1, le=64, description="P: streaming fragments syncing on staggered schedules")
@@ -98,9 +112,9 @@ class OuterSection(_Section):
     )
 
     @model_validator(mode="after")
-    def _grace_bounds(self) -> OuterSection:
-        if self.min_grace_s > self.max_grace_s:
-            raise ValueError("--min-grace-s must not exceed --max-grace-s")
+    def _window_bounds(self) -> OuterSection:
+        if self.min_window_s > self.max_window_s:
+            raise ValueError("--min-window-s must not exceed --max-window-s")
         if self.quorum > self.target_group_size:
             raise ValueError("--quorum must not exceed --target-group-size")
         return self
@@ -158,11 +172,25 @@ _MODEL_SOURCES = ("model", "model_config", "model_config_path")
 
 
 def _flag(field_name: str) -> str:
+    """The flag of a field (or of one of its old names)."""
     for section in SECTIONS.values():
         field = section.model_fields.get(field_name)
         if field is not None and isinstance(field.json_schema_extra, dict) and "flag" in field.json_schema_extra:
             return str(field.json_schema_extra["flag"])
     return "--" + field_name.replace("_", "-")
+
+
+def _current_name(section_name: str, field_name: str) -> str:
+    """The field's name for one of its old names; any other name as it is."""
+    for name, field in SECTIONS[section_name].model_fields.items():
+        if field_name in _old_names(field):
+            return name
+    return field_name
+
+
+def _old_names(field: Any) -> list[str]:
+    extra = field.json_schema_extra
+    return list(extra.get("aliases", [])) if isinstance(extra, dict) else []
 
 
 def _help(field: Any) -> str:
@@ -198,7 +226,7 @@ def add_config_arguments(parser: argparse.ArgumentParser, sections: tuple[str, .
                 del kwargs["metavar"]
             elif _is_list(field.annotation):
                 kwargs["nargs"] = "*"
-            group.add_argument(_flag(name), **kwargs)
+            group.add_argument(_flag(name), *map(_flag, _old_names(field)), **kwargs)
 
 
 def load_config(
@@ -233,7 +261,7 @@ def load_config(
             for source in _MODEL_SOURCES:  # a higher layer choosing the model source replaces a lower one's choice
                 raw["model"].pop(source, None)
         for section_name, field_name, value in layer:
-            raw[section_name][field_name] = value
+            raw[section_name][_current_name(section_name, field_name)] = value
     try:
         return PeerConfig(**{name: values for name, values in raw.items() if values or name in ("model", "data")})
     except ValidationError as error:
@@ -284,4 +312,6 @@ def load_network_section(args: argparse.Namespace) -> NetworkSection:
 
 
 def _all_field_names() -> set[str]:
-    return {name for section in SECTIONS.values() for name in section.model_fields}
+    """Every field's name, and its old names."""
+    fields = [(name, field) for section in SECTIONS.values() for name, field in section.model_fields.items()]
+    return {name for name, _ in fields} | {old for _, field in fields for old in _old_names(field)}

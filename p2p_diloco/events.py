@@ -34,9 +34,10 @@ class Event(BaseModel):
 
 
 class InnerStep(Event):
-    """Every 10th inner step, right after it."""
+    """Every ``every``-th inner step, right after it."""
 
     event = "inner_step"
+    every: ClassVar[int] = 10
     step: int
     loss: float | None
     seconds: float  # compute of the step
@@ -174,4 +175,3 @@ def read_events(path: Path, *kinds: type[E]) -> list[E]:
         except ValidationError as error:
             raise ValueError(f"{path}:{number}: not a valid {kind.event!r} event: {error}") from None
     return events
-

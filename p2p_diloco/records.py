@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import hivemind
 import pydantic.v1 as pydantic
@@ -23,9 +23,14 @@ logger = logging.getLogger(__name__)
 DHT_TIMEOUT_S = 10.0
 """Bound on one store or get of a record; on expiry the call gives up (the DHT request itself may go on)."""
 
-_SHORT_TEXT = pydantic.constr(strict=True, min_length=1, max_length=128)
-_COUNT = pydantic.conint(strict=True, ge=0)
-_NON_NEGATIVE = pydantic.confloat(strict=True, ge=0.0)
+if TYPE_CHECKING:  # pydantic.v1's constrained types are calls, which a type checker cannot read as types
+    _SHORT_TEXT = str
+    _COUNT = int
+    _NON_NEGATIVE = float
+else:
+    _SHORT_TEXT = pydantic.constr(strict=True, min_length=1, max_length=128)
+    _COUNT = pydantic.conint(strict=True, ge=0)
+    _NON_NEGATIVE = pydantic.confloat(strict=True, ge=0.0)
 _FLOAT_FIELDS = ("tokens_per_s", "loss", "last_seen", "useful_compute_s", "allocated_s")
 
 
@@ -75,6 +80,16 @@ def record_validators(run_id: str, private_key: RSAPrivateKey | None = None) -> 
     several DHT nodes in one process (tests) need one key each to own distinct subkeys.
     """
     return [SchemaValidator(_RunSchema, prefix=run_id), RSASignatureValidator(private_key)]
+
+
+class ProgressRecords(Protocol):
+    """What a learning unit needs of the run's records (SwarmRecords; tests/fakes.py has an in-memory one)."""
+
+    def publish_progress(self, progress: PeerProgress, ttl_s: float = 60) -> None: ...
+
+    def read_progress(self) -> dict[str, PeerProgress]: ...
+
+    def refresh_model_fingerprint(self, fingerprint: str, ttl_s: float = 3600) -> None: ...
 
 
 class SwarmRecords:

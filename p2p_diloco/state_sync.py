@@ -19,6 +19,7 @@ import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import hivemind
 import torch
@@ -40,6 +41,14 @@ class SwarmState:
     def outer_round(self) -> int:
         """The round every fragment reached (the smallest fragment round)."""
         return min(self.fragment_rounds)
+
+
+class StateService(Protocol):
+    """What a learning unit needs of the state server (StateServer; tests/fakes.py has an in-memory one)."""
+
+    def publish(self, state: SwarmState) -> None: ...
+
+    def download(self, timeout_s: float) -> SwarmState | None: ...
 
 
 class StateServer:

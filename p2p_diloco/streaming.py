@@ -1,11 +1,11 @@
 """One streaming fragment's outer rounds: what a unit sends for it and how the average comes back (torch only).
 
-Two payloads, chosen by the codec:
+Two kinds of payload (:class:`Payload`, chosen by the round plan from the codec, rounds.py):
 
-* ``fp32`` — the *proposal*: the outer step the unit would take alone, ``(φ'_p, m'_p) = OuterOpt(φ_p, m_p, Δ_p)``
+* with ``fp32``, the *proposal*: the outer step the unit would take alone, ``(φ'_p, m'_p) = OuterOpt(φ_p, m_p, Δ_p)``
   (m'_p only with ``sync_momentum``). Members average proposals, which also averages their φ_p and m_p: every round
   pulls the members' global parameters together (see diloco.py).
-* ``fp16`` / ``int8`` — the pseudo-gradient Δ_p, compressed on the wire. Proposals cannot be compressed (φ itself
+* with ``fp16`` / ``int8``, the pseudo-gradient Δ_p, compressed on the wire. Proposals cannot be compressed (φ itself
   would be quantized every round), so each member applies the outer step to the averaged Δ_p with its own φ_p and
   m_p. With error feedback, what the codec dropped from a unit's Δ_p is added to its next Δ_p. Members' φ_p then drift
   apart by the codec's error every round (each member adds the reply to its own uncompressed part; measured with
@@ -22,6 +22,7 @@ steps' progress on fragment p is kept; other fragments are untouched.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -36,6 +37,19 @@ if TYPE_CHECKING:
 
 Tensors = list[torch.Tensor]
 Roundtrip = Callable[[torch.Tensor], torch.Tensor]
+
+
+class Payload(enum.Enum):
+    """What a fragment round averages."""
+
+    PROPOSAL = "proposal"  # fp32 φ'_p; each unit keeps its own m'_p
+    PROPOSAL_WITH_MOMENTUM = "proposal-momentum"  # fp32 φ'_p and m'_p
+    PSEUDO_GRADIENT = "pseudo-gradient"  # Δ_p through a lossy codec; each member steps with its own φ_p and m_p
+
+    @property
+    def copies(self) -> int:
+        """How many copies of the fragment's shapes one payload holds."""
+        return 2 if self is Payload.PROPOSAL_WITH_MOMENTUM else 1
 
 
 @dataclass
@@ -56,8 +70,7 @@ class FragmentRounds:
 
     fragment: Fragment
     share: float  # the fragment's fraction of all trained elements
-    compressed: bool  # True: Δ payload (lossy codec); False: fp32 proposal payload
-    sync_momentum: bool
+    payload_kind: Payload
     error_feedback: ErrorFeedback | None = None  # lossy codecs: what the codec dropped rides on the next Δ_p
     roundtrip: Roundtrip | None = None  # what receivers decode of a sent tensor (needed with error_feedback)
     outer_round: int = 0
@@ -86,10 +99,11 @@ class FragmentRounds:
         """The tensors to average for this fragment, and the unit's own momentum proposal (proposal payload)."""
         phi, moment = copies(global_params, self.fragment), copies(momentum, self.fragment)
         delta = pseudo_gradient(phi, local_at_send)
-        if self.compressed:
+        if self.payload_kind is Payload.PSEUDO_GRADIENT:
             return (self.error_feedback.compensate(delta) if self.error_feedback else delta), []
         params_proposal, momentum_proposal = outer_step(phi, moment, delta, hyper)
-        return params_proposal + (momentum_proposal if self.sync_momentum else []), momentum_proposal
+        synced = momentum_proposal if self.payload_kind is Payload.PROPOSAL_WITH_MOMENTUM else []
+        return params_proposal + synced, momentum_proposal
 
     def mark_sent(self, payload: Tensors, local_at_send: Tensors, momentum_proposal: Tensors, inner_step: int) -> None:
         """The averager took ``payload`` (from :meth:`payload`): the round is in flight, the counters start over, and
@@ -105,10 +119,11 @@ class FragmentRounds:
     def merged(self, averaged: Tensors, global_params: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor],
                sent: SentRound, hyper: OuterHyperparams) -> tuple[Tensors, Tensors]:  # fmt: skip
         """The fragment's new (φ_p, m_p) from the group's average of the payloads."""
-        if self.compressed:
+        if self.payload_kind is Payload.PSEUDO_GRADIENT:
             return outer_step(copies(global_params, self.fragment), copies(momentum, self.fragment), averaged, hyper)
         count = len(self.fragment.pieces)
-        return averaged[:count], (averaged[count:] if self.sync_momentum else sent.momentum_proposal)
+        synced = self.payload_kind is Payload.PROPOSAL_WITH_MOMENTUM
+        return averaged[:count], (averaged[count:] if synced else sent.momentum_proposal)
 
 
 def consensus_payload(global_params: Sequence[torch.Tensor], fragment: Fragment) -> torch.Tensor:

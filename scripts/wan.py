@@ -39,7 +39,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
     parser.add_argument("--fragments", type=int, default=4, help="P of ours-streaming (default 4)")
     parser.add_argument("--codec", default="int8", help="wire codec of ours-streaming: fp32, fp16 or int8 (default)")
-    parser.add_argument("--max-in-flight", type=int, default=2, help="K of ours-streaming (default 2)")
+    parser.add_argument(
+        "--max-in-flight", type=int, default=2, help="most rounds in flight at once in ours-streaming (default 2)"
+    )
     parser.add_argument(
         "--target-loss", type=float, default=None, help="eval loss to time (default: the highest best loss of all)"
     )

@@ -1,9 +1,11 @@
-"""In-memory stand-ins for a learning unit's network seams, for tests only (no DHT, no processes, no threads).
+"""In-memory stand-ins for a learning unit's network seams, for tests only (no DHT, no processes, no threads). Each
+satisfies the protocol the unit is typed against (the type checker checks it).
 
-* :class:`FakeGroup` / :class:`FakeAverager` emulate :class:`p2p_diloco.averaging.OuterAverager`: a round
-  completes as soon as every member of the group has begun it, with the weighted mean of the proposals.
-* :class:`FakeStateServer` emulates :class:`p2p_diloco.state_sync.StateServer` (publish / download).
-* :class:`FakeRecords` emulates the part of :class:`p2p_diloco.records.SwarmRecords` a unit uses.
+* :class:`FakeGroup` / :class:`FakeAverager` (the ``Averager`` protocol, like ``OuterAverager``): a round completes as
+  soon as every member of the group has begun it, with the weighted mean of the proposals. What goes wrong is decided
+  up front by a :class:`FaultPlan`.
+* :class:`FakeStateServer` (``StateService``, like ``StateServer``): publish / download.
+* :class:`FakeRecords` (``ProgressRecords``, like ``SwarmRecords``): progress and fingerprint records.
 """
 
 from __future__ import annotations
@@ -35,24 +37,43 @@ class BegunRound:
     probe: list[float]
     started_at: float
     tag: str = ""
+    failing: bool = False  # the group's FaultPlan fails this round
+
+
+@dataclass
+class FaultPlan:
+    """What goes wrong in one :class:`FakeGroup`'s rounds, decided before the test runs: the ``call``-th call (from 0,
+    refused calls included) of ``begin_round`` by ``unit``'s averager is refused (as when the real averager's tensors
+    are held) or begins a round that fails for the whole group (as when the quorum is not reached)."""
+
+    failures: set[tuple[str, int]] = field(default_factory=set)
+    refusals: set[tuple[str, int]] = field(default_factory=set)
+
+    def fail(self, unit: str, call: int) -> FaultPlan:
+        self.failures.add((unit, call))
+        return self
+
+    def refuse(self, unit: str, call: int) -> FaultPlan:
+        self.refusals.add((unit, call))
+        return self
 
 
 class FakeGroup:
     """A fixed matchmaking group: the round completes once every member averager has begun it.
 
     Emulates a successful all-reduce (every member gets the weighted mean of the proposals, the largest member
-    round and the probe drift) or, with ``fail=True``, a round that failed for everyone (quorum not reached).
+    round and the probe drift) or, when ``faults`` fail a member's call, a round that failed for everyone.
     """
 
-    def __init__(self, fail: bool = False):
-        self.fail = fail
+    def __init__(self, faults: FaultPlan | None = None):
+        self.faults = faults if faults is not None else FaultPlan()
         self.members: list[FakeAverager] = []
         self.rounds: list[dict[FakeAverager, BegunRound]] = []  # every completed round, by member
         self._waiting: dict[FakeAverager, BegunRound] = {}
 
-    def averager(self, template: Sequence[torch.Tensor]) -> FakeAverager:
-        """A new member that averages tensor lists shaped like ``template``."""
-        member = FakeAverager(self, template)
+    def averager(self, template: Sequence[torch.Tensor], unit: str = "") -> FakeAverager:
+        """A new member, ``unit``'s averager of tensor lists shaped like ``template``."""
+        member = FakeAverager(self, template, unit)
         self.members.append(member)
         return member
 
@@ -62,14 +83,15 @@ class FakeGroup:
             return
         begun_rounds, self._waiting = self._waiting, {}
         self.rounds.append(begun_rounds)
+        failed = any(begun.failing for begun in begun_rounds.values())
         for receiver, own in begun_rounds.items():
-            receiver._deliver(self._outcome(list(begun_rounds.values()), own))
+            receiver._deliver(self._outcome(list(begun_rounds.values()), own, failed))
 
     def _leave(self, member: FakeAverager) -> None:
         self._waiting.pop(member, None)
 
-    def _outcome(self, begun_rounds: list[BegunRound], own: BegunRound) -> RoundOutcome:
-        if self.fail:
+    def _outcome(self, begun_rounds: list[BegunRound], own: BegunRound, failed: bool) -> RoundOutcome:
+        if failed:
             return RoundOutcome(
                 None, 0, own.outer_round, 0.0, own.started_at, time.time(), error="FakeGroup: quorum not reached"
             )
@@ -94,12 +116,12 @@ class FakeAverager:
     returns a ready outcome, else cancels (a group whose other members never begin does not end in time).
     """
 
-    def __init__(self, group: FakeGroup, template: Sequence[torch.Tensor]):
-        self.group = group
+    def __init__(self, group: FakeGroup, template: Sequence[torch.Tensor], unit: str = ""):
+        self.group, self.unit = group, unit
         self.shapes = [tuple(tensor.shape) for tensor in template]
         self.begun: list[BegunRound] = []
+        self.calls = 0  # begin_round calls so far (the group's FaultPlan counts them)
         self.cancelled = 0
-        self.refusals = 0  # the next begin_round calls that return False (the real one's tensors are held)
         self.is_shut_down = False
         self._in_flight = False
         self._outcome: RoundOutcome | None = None
@@ -118,11 +140,12 @@ class FakeAverager:
         tag: str = "",
     ) -> bool:
         check_round_request(self._in_flight, self.shapes, proposal, weight)
-        if self.refusals:
-            self.refusals -= 1
+        call, self.calls = self.calls, self.calls + 1
+        if (self.unit, call) in self.group.faults.refusals:
             return False
+        failing = (self.unit, call) in self.group.faults.failures
         begun = BegunRound(
-            clone_all(proposal), float(weight), int(outer_round), window_s, list(probe), time.time(), tag
+            clone_all(proposal), float(weight), int(outer_round), window_s, list(probe), time.time(), tag, failing
         )
         self.begun.append(begun)
         self._in_flight = True

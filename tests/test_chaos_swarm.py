@@ -2,7 +2,7 @@
 SIGKILLed while its all-reduce is in flight, then restarted; a unit frozen (SIGSTOP) in the middle of an
 all-reduce; the bootstrap node killed.
 
-Every bound on how fast the others react comes from the units' configuration (a fixed grace window: min = max,
+Every bound on how fast the others react comes from the units' configuration (a fixed matchmaking window: min = max,
 and a short all-reduce timeout) plus a generous margin for a 2-core machine.
 """
 
@@ -22,12 +22,12 @@ from p2p_diloco.lifecycle import is_running
 pytestmark = pytest.mark.swarm
 
 ALLREDUCE_TIMEOUT_S = 10.0  # what a frozen member may cost a round (hivemind's default would be ~38 s)
-GRACE_S = 1.0  # the matchmaking window, fixed
+WINDOW_S = 1.0  # the matchmaking window, fixed
 # Slack on top of window + all-reduce: averaging.py lets matchmaking run 1 s past the window, the outcome is
 # seen at the next inner step, and 2 cores are shared by every process of the swarm.
 MARGIN_S = 5.0
 STARTUP_S = 150.0  # start-up of a bootstrap and three units, to their first group (model load, DHT, averagers)
-SETTLE_S = 60.0  # several further rounds (each well under GRACE_S + ALLREDUCE_TIMEOUT_S + MARGIN_S)
+SETTLE_S = 60.0  # several further rounds (each well under WINDOW_S + ALLREDUCE_TIMEOUT_S + MARGIN_S)
 # A fault aimed at an all-reduce lands this long after its scheduled start (within these bounds).
 MIN_STRIKE_DELAY_S, MAX_STRIKE_DELAY_S = 0.1, 1.0
 MIN_UNIT_TREE = 6  # main process, watchdog, DHT, two averagers (outer, state), at least one p2pd
@@ -36,28 +36,28 @@ GONE_S = 15.0  # SIGKILLed trees and watchdog-reaped children are gone well with
 # The straggler test widens the window: a unit whose inner loop waited for its rounds would pause at least this long
 # between two inner_step events (and ALLREDUCE_TIMEOUT_S for the round stalled by the frozen member), while 10 inner
 # steps plus an eval take at most ~1.5 s here.
-STRAGGLER_GRACE_S = 4.0
+STRAGGLER_WINDOW_S = 4.0
 # A round stalled by a frozen member: hivemind's all-reduce timeout is not tight (measured here: a 10 s timeout
 # cost 10-16 s after the window; HIVEMIND.md: 15 s), hence twice the timeout.
-STALLED_ROUND_S = STRAGGLER_GRACE_S + 2 * ALLREDUCE_TIMEOUT_S + MARGIN_S
+STALLED_ROUND_S = STRAGGLER_WINDOW_S + 2 * ALLREDUCE_TIMEOUT_S + MARGIN_S
 # Long enough that a round which waited for the thaw (window + freeze at least) would exceed STALLED_ROUND_S.
 FREEZE_S = 3 * ALLREDUCE_TIMEOUT_S
 
 
-def chaos_flags(grace_s: float) -> list[str]:
+def chaos_flags(window_s: float) -> list[str]:
     return [
         "--allreduce-timeout-s",
         str(ALLREDUCE_TIMEOUT_S),
-        "--min-grace-s",
-        str(grace_s),
-        "--max-grace-s",
-        str(grace_s),
+        "--min-window-s",
+        str(window_s),
+        "--max-window-s",
+        str(window_s),
     ]
 
 
-def round_bound_s(grace_s: float) -> float:
+def round_bound_s(window_s: float) -> float:
     """Longest a round may take from its begin to its outcome: the window, then the bounded all-reduce."""
-    return grace_s + ALLREDUCE_TIMEOUT_S + MARGIN_S
+    return window_s + ALLREDUCE_TIMEOUT_S + MARGIN_S
 
 
 @pytest.fixture
@@ -82,7 +82,7 @@ def all_in_a_group_of(swarm: Swarm, names: tuple[str, ...], size: int) -> bool:
     return all(any(r.group_size == size for r in swarm.rounds(name)) for name in names)
 
 
-def wait_until_allreduce_in_flight(swarm: Swarm, target: str, units: tuple[str, ...], grace_s: float) -> float:
+def wait_until_allreduce_in_flight(swarm: Swarm, target: str, units: tuple[str, ...], window_s: float) -> float:
     """Return in the middle of the all-reduce of ``target``'s next round; returns how long after its start.
 
     A group's all-reduce starts when its leader's window ends, and the leader is the member whose window ends
@@ -92,7 +92,7 @@ def wait_until_allreduce_in_flight(swarm: Swarm, target: str, units: tuple[str, 
     ready_at = time.time()
     begin = swarm.wait_for(
         lambda: swarm.events(target, OuterRoundBegin, after=ready_at),
-        round_bound_s(grace_s),
+        round_bound_s(window_s),
         f"{target} to begin its next round",
     )[0]
     starts = [
@@ -114,10 +114,10 @@ def test_unit_killed_during_allreduce_then_restarted(swarm: Swarm) -> None:
     maddr = swarm.bootstrap("bootstrap")
     units, survivors = ("a", "b", "victim"), ("a", "b")
     for name in units:
-        swarm.unit(name, [maddr], *chaos_flags(GRACE_S))
+        swarm.unit(name, [maddr], *chaos_flags(WINDOW_S))
     swarm.wait_for(lambda: all_in_a_group_of(swarm, units, 3), STARTUP_S, "the three units to average in one group")
 
-    kill_delay = wait_until_allreduce_in_flight(swarm, "victim", units, GRACE_S)
+    kill_delay = wait_until_allreduce_in_flight(swarm, "victim", units, WINDOW_S)
     killed_at = time.time()
     pids = swarm.kill_tree("victim")
     step_at_kill = {name: swarm.events(name, InnerStep)[-1].step for name in survivors}
@@ -127,7 +127,7 @@ def test_unit_killed_during_allreduce_then_restarted(swarm: Swarm) -> None:
     # The round each survivor had in flight ends (merged, partial or failed) within its bound.
     swarm.wait_for(
         lambda: all(ends(swarm, name, killed_at) for name in survivors),
-        2 * round_bound_s(GRACE_S),  # the round in flight, or one that began just after the kill
+        2 * round_bound_s(WINDOW_S),  # the round in flight, or one that began just after the kill
         "the survivors to end the round in flight",
     )
     landed = []
@@ -164,7 +164,7 @@ def test_unit_killed_during_allreduce_then_restarted(swarm: Swarm) -> None:
 
     # Restarted on the same work dir, it rejoins from the swarm's state and comes back into consensus.
     restarted_at = time.time()
-    swarm.unit("victim", [maddr], *chaos_flags(GRACE_S))
+    swarm.unit("victim", [maddr], *chaos_flags(WINDOW_S))
     assert_joined_from_swarm(swarm, "victim", donors=survivors, after=restarted_at)
 
     def consensus_round() -> OuterRound | None:
@@ -183,10 +183,10 @@ def test_frozen_unit_does_not_stall_the_others(swarm: Swarm) -> None:
     maddr = swarm.bootstrap("bootstrap")
     units, others = ("a", "b", "straggler"), ("a", "b")
     for name in units:
-        swarm.unit(name, [maddr], *chaos_flags(STRAGGLER_GRACE_S))
+        swarm.unit(name, [maddr], *chaos_flags(STRAGGLER_WINDOW_S))
     swarm.wait_for(lambda: all_in_a_group_of(swarm, units, 3), STARTUP_S, "the three units to average in one group")
 
-    strike_delay = wait_until_allreduce_in_flight(swarm, "straggler", units, STRAGGLER_GRACE_S)
+    strike_delay = wait_until_allreduce_in_flight(swarm, "straggler", units, STRAGGLER_WINDOW_S)
     frozen_at = time.time()
     swarm.freeze("straggler")
 
@@ -209,7 +209,7 @@ def test_frozen_unit_does_not_stall_the_others(swarm: Swarm) -> None:
         before = [t for t in steps if t <= frozen_at][-1:]
         times = before + during + [thawed_at]
         gap = max(later - earlier for earlier, later in zip(times, times[1:]))
-        assert gap < STRAGGLER_GRACE_S, f"{name}'s inner loop paused {gap:.1f} s during the freeze"
+        assert gap < STRAGGLER_WINDOW_S, f"{name}'s inner loop paused {gap:.1f} s during the freeze"
         rounds = [r for r in swarm.rounds(name, after=frozen_at) if r.time <= thawed_at]
         failed = [e for e in swarm.events(name, OuterRoundFailed) if frozen_at < e.time <= thawed_at]
         for r in rounds:
@@ -239,7 +239,7 @@ def test_swarm_outlives_its_bootstrap_node(swarm: Swarm) -> None:
     maddr = swarm.bootstrap("bootstrap")
     units = ("a", "b")
     for name in units:
-        swarm.unit(name, [maddr], *chaos_flags(GRACE_S))
+        swarm.unit(name, [maddr], *chaos_flags(WINDOW_S))
     swarm.wait_for(lambda: all_in_a_group_of(swarm, units, 2), STARTUP_S, "the two units to average together")
 
     killed_at = time.time()
@@ -258,7 +258,7 @@ def test_swarm_outlives_its_bootstrap_node(swarm: Swarm) -> None:
 
     address = swarm.join_address("a")
     joined_at = time.time()
-    swarm.unit("c", [address], *chaos_flags(GRACE_S))
+    swarm.unit("c", [address], *chaos_flags(WINDOW_S))
     assert_joined_from_swarm(swarm, "c", donors=units, after=joined_at)
     swarm.wait_for(
         lambda: any(r.group_size == 3 for r in swarm.rounds("c", after=joined_at)),

@@ -154,7 +154,8 @@ def test_invalid_cli_value_names_the_flag() -> None:
     "override, flag",
     [
         (dict(outer__quorum=9, outer__target_group_size=8), "--quorum"),
-        (dict(outer__min_grace_s=5.0, outer__max_grace_s=1.0), "--min-grace-s"),
+        (dict(outer__min_window_s=5.0, outer__max_window_s=1.0), "--min-window-s"),
+        (dict(outer__min_grace_s=5.0, outer__max_grace_s=1.0), "--min-window-s"),  # the old names
     ],
 )
 def test_cross_field_errors_name_the_flag(override: dict[str, object], flag: str) -> None:
@@ -164,3 +165,14 @@ def test_cross_field_errors_name_the_flag(override: dict[str, object], flag: str
 @pytest.mark.parametrize("override", [dict(outer_lr=1.0), dict(optimizer__lr=1.0)])
 def test_malformed_override_keys_are_config_errors(override: dict[str, object]) -> None:
     _error(**REQUIRED, **override)
+
+
+def test_the_matchmaking_windows_old_names_still_work_as_flags_toml_keys_and_overrides(tmp_path: Path) -> None:
+    toml = _write(tmp_path, '[model]\nmodel = "gpt2"\n[data]\ndataset = "c.txt"\n[outer]\ngrace_fraction = 0.3\n')
+    config = load_config(_parse("--config", str(toml), "--min-grace-s", "2", "--max-window-s", "9"))
+    assert (config.outer.window_fraction, config.outer.min_window_s, config.outer.max_window_s) == (0.3, 2.0, 9.0)
+    assert load_config(**REQUIRED, outer__max_grace_s=7.0).outer.max_window_s == 7.0
+    # whatever the name, the higher layer wins: a flag over the file, an override over a flag
+    assert load_config(_parse("--config", str(toml), "--window-fraction", "0.2")).outer.window_fraction == 0.2
+    assert load_config(_parse("--config", str(toml)), outer__window_fraction=0.1).outer.window_fraction == 0.1
+    assert load_config(toml_path=toml, outer__grace_fraction=0.4).outer.window_fraction == 0.4

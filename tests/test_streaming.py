@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fakes import FakeGroup, clone_all
+from fakes import FakeGroup, FaultPlan, clone_all
 from unit_peers import TOKENS_PER_STEP, Peer, PeerFactory, inner_step, maybe_begin, poll
 
 from p2p_diloco.compression import roundtrip
@@ -18,9 +18,13 @@ STREAMING = dict(outer__fragments=2, outer__inner_steps=2, outer__max_in_flight=
 
 def fragment_state(peer: Peer, number: int) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
     """(φ_p, m_p, θ_p) of a unit, copied."""
-    fragment = peer.unit.fragments[number].fragment
+    fragment = peer.unit.engine.fragments[number].fragment
     unit = peer.unit
-    return copies(unit.global_params, fragment), copies(unit.momentum, fragment), copies(unit.trainer.params, fragment)
+    return (
+        copies(unit.engine.global_params, fragment),
+        copies(unit.engine.momentum, fragment),
+        copies(unit.trainer.params, fragment),
+    )
 
 
 def step_both(*peers: Peer) -> None:
@@ -38,7 +42,7 @@ def test_a_fragment_round_merges_that_fragment_only(make_peer: PeerFactory) -> N
     sent = {peer.work_dir.name: fragment_state(peer, 0)[2] for peer in (a, b)}
     inner_step(a)  # one overlapped step before the average is merged
     assert poll(a)
-    hyper = a.unit.hyper
+    hyper = a.unit.engine.plan.hyper
     proposals = [
         outer_step(*before[name][0][:2], pseudo_gradient(before[name][0][0], sent[name]), hyper) for name in "ab"
     ]
@@ -46,7 +50,11 @@ def test_a_fragment_round_merges_that_fragment_only(make_peer: PeerFactory) -> N
     phi, momentum, theta = fragment_state(a, 0)
     torch.testing.assert_close(phi, expected_phi, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(momentum, weighted_average([m for _, m in proposals], [1, 1]), rtol=1e-5, atol=1e-6)
-    assert a.unit.fragments[0].outer_round == 1 and a.unit.fragments[1].outer_round == 0 and a.unit.outer_round == 0
+    assert (
+        a.unit.engine.fragments[0].outer_round == 1
+        and a.unit.engine.fragments[1].outer_round == 0
+        and a.unit.outer_round == 0
+    )
     phi_1, momentum_1, _ = fragment_state(a, 1)  # the other fragment: global state untouched
     assert all(torch.equal(x, y) for x, y in zip(phi_1 + momentum_1, before["a"][1][0] + before["a"][1][1]))
     assert a.events(OuterRound)[-1].fragment == 0 and a.events(OuterRound)[-1].overlap_steps == 1
@@ -76,12 +84,12 @@ def test_compressed_rounds_average_pseudo_gradients_with_error_feedback(make_pee
     deltas = [begun.proposal for begun in group.rounds[-1].values()]
     assert all(len(delta) == len(phi0) for delta in deltas)  # the payload is Δ alone: no φ, no momentum
     assert poll(a) and poll(b)
-    expected_phi, expected_m = outer_step(phi0, m0, weighted_average(deltas, [1, 1]), a.unit.hyper)
+    expected_phi, expected_m = outer_step(phi0, m0, weighted_average(deltas, [1, 1]), a.unit.engine.plan.hyper)
     phi, momentum, _ = fragment_state(a, 0)
     torch.testing.assert_close(phi, expected_phi, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(momentum, expected_m, rtol=1e-5, atol=1e-6)
     # error feedback: what the codec dropped from the first Δ rides on the second one
-    residual = a.unit.fragments[0].error_feedback.state_dict()["residuals"]
+    residual = a.unit.engine.fragments[0].error_feedback.state_dict()["residuals"]
     first_payload = group.rounds[-1][a.averager].proposal
     torch.testing.assert_close(residual, [t - roundtrip(t, codec) for t in first_payload], rtol=0, atol=0)
     assert any(bool(r.abs().max() > 0) for r in residual)
@@ -89,27 +97,30 @@ def test_compressed_rounds_average_pseudo_gradients_with_error_feedback(make_pee
     for _ in range(2):
         step_both(a, b)
     theta_sent = group.rounds[-1][a.averager].proposal
-    delta_2 = pseudo_gradient(phi_before, a.unit.fragments[0].sent.local_at_send)
+    delta_2 = pseudo_gradient(phi_before, a.unit.engine.fragments[0].sent.local_at_send)
     torch.testing.assert_close(theta_sent, [d + r for d, r in zip(delta_2, residual)], rtol=1e-6, atol=1e-7)
 
 
 def test_a_refused_compressed_round_leaves_the_error_feedback_residual_as_it_was(make_peer: PeerFactory) -> None:
     settings = dict(outer__codec="int8", outer__inner_steps=2, outer__consensus_every_rounds=0)
-    group = FakeGroup()
+    group = FakeGroup(FaultPlan().refuse("a", call=1))  # its averager's tensors are held at its second round
     a, b = make_peer("a", group, **settings), make_peer("b", group, **settings)
     for _ in range(2):
         step_both(a, b)
     assert poll(a) and poll(b)
-    residual = [r.clone() for r in a.unit.fragments[0].error_feedback.state_dict()["residuals"]]
-    a.averager.refusals = 1  # its averager's tensors are held once
+    residual = [r.clone() for r in a.unit.engine.fragments[0].error_feedback.state_dict()["residuals"]]
     for _ in range(2):
         inner_step(a)
-    assert not maybe_begin(a) and a.unit.fragments[0].sent is None and a.unit.fragments[0].steps_since_round == 2
+    assert (
+        not maybe_begin(a)
+        and a.unit.engine.fragments[0].sent is None
+        and a.unit.engine.fragments[0].steps_since_round == 2
+    )
     assert all(
-        torch.equal(x, y) for x, y in zip(a.unit.fragments[0].error_feedback.state_dict()["residuals"], residual)
+        torch.equal(x, y) for x, y in zip(a.unit.engine.fragments[0].error_feedback.state_dict()["residuals"], residual)
     )
     assert maybe_begin(a)
-    delta = pseudo_gradient(fragment_state(a, 0)[0], a.unit.fragments[0].sent.local_at_send)
+    delta = pseudo_gradient(fragment_state(a, 0)[0], a.unit.engine.fragments[0].sent.local_at_send)
     torch.testing.assert_close(
         a.averager.begun[-1].proposal, [d + r for d, r in zip(delta, residual)], rtol=1e-6, atol=1e-7
     )
@@ -120,10 +131,10 @@ def test_consensus_round_pulls_drifted_fragments_to_the_group_mean(make_peer: Pe
     groups, consensus = [FakeGroup(), FakeGroup()], [FakeGroup(), FakeGroup()]
     a = make_peer("a", groups, consensus_groups=consensus, **settings)
     b = make_peer("b", groups, consensus_groups=consensus, **settings)
-    b.unit.global_params = [tensor + 0.01 for tensor in b.unit.global_params]  # b's φ drifted from a's
+    b.unit.engine.global_params = [tensor + 0.01 for tensor in b.unit.engine.global_params]  # b's φ drifted from a's
     step_both(a, b)  # fragment 0's round
     assert poll(a) and poll(b)
-    assert a.unit.consensus_due == [0] and b.unit.consensus_due == [0]
+    assert a.unit.engine.consensus_due == [0] and b.unit.engine.consensus_due == [0]
     phi_a = fragment_state(a, 0)[0]
     phi_b = fragment_state(b, 0)[0]
     assert max(float((x - y).abs().max()) for x, y in zip(phi_a, phi_b)) > 1e-3
@@ -148,6 +159,6 @@ def test_unit_never_has_more_rounds_in_flight_than_configured(make_peer: PeerFac
         inner_step(a)
         a.unit.poll_round()
         maybe_begin(a)
-        assert len(a.unit.in_flight()) <= 1
+        assert len(a.unit.engine.in_flight()) <= 1
     assert sum(len(averager.begun) for averager in a.averagers) == 1
-    assert a.unit.fragments[1].steps_since_round >= 4  # due, but waiting for a free slot
+    assert a.unit.engine.fragments[1].steps_since_round >= 4  # due, but waiting for a free slot

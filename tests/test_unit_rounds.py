@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from fakes import FakeGroup, FakeRecords, clone_all
+from fakes import FakeGroup, FakeRecords, FaultPlan, clone_all
 from transformers import AutoModelForCausalLM
 from unit_peers import (
     SYNC_DATA_PARALLEL,
@@ -21,6 +21,7 @@ from unit_peers import (
     inner_step,
     maybe_begin,
     poll,
+    set_rounds,
     train_until_round,
 )
 
@@ -57,11 +58,11 @@ def assert_round_changed_nothing(
 ) -> None:
     """A rejected first round: φ, momentum, θ and the round unchanged, its two steps' tokens carried over."""
     unit = peer.unit
-    assert_all_equal(unit.global_params, phi)
-    assert_all_equal(unit.momentum, momentum)
+    assert_all_equal(unit.engine.global_params, phi)
+    assert_all_equal(unit.engine.momentum, momentum)
     assert_all_equal(unit.trainer.local_parameters(), theta)
-    assert unit.outer_round == 0 and unit.fragments[0].sent is None
-    assert unit.fragments[0].tokens_since_round == 2 * TOKENS_PER_STEP
+    assert unit.outer_round == 0 and unit.engine.fragments[0].sent is None
+    assert unit.engine.fragments[0].tokens_since_round == 2 * TOKENS_PER_STEP
 
 
 def saved_ledger(peer: Peer) -> GoodputLedger:
@@ -90,9 +91,9 @@ def test_h1_lr1_no_momentum_one_group_equals_synchronous_data_parallel(make_peer
     group = FakeGroup()
     peers = [make_peer(name, group, **SYNC_DATA_PARALLEL) for name in ("a", "b")]
     a, b = peers
-    assert_all_equal(a.unit.global_params, b.unit.global_params)
+    assert_all_equal(a.unit.engine.global_params, b.unit.engine.global_params)
     for round_index in range(3):
-        phi = clone_all(a.unit.global_params)
+        phi = clone_all(a.unit.engine.global_params)
         local = []
         for peer in peers:
             inner_step(peer)
@@ -103,12 +104,12 @@ def test_h1_lr1_no_momentum_one_group_equals_synchronous_data_parallel(make_peer
         inner_updates = [pseudo_gradient(theta, phi) for theta in local]  # θ_i − φ
         expected = [p + (ua + ub) / 2 for p, ua, ub in zip(phi, *inner_updates)]
         for peer in peers:
-            assert_all_close(peer.unit.global_params, expected)
-            assert_all_close(peer.unit.momentum, [-(ua + ub) / 2 for ua, ub in zip(*inner_updates)])
-            assert_all_equal(peer.unit.trainer.local_parameters(), peer.unit.global_params)  # no overlap: θ = φ
+            assert_all_close(peer.unit.engine.global_params, expected)
+            assert_all_close(peer.unit.engine.momentum, [-(ua + ub) / 2 for ua, ub in zip(*inner_updates)])
+            assert_all_equal(peer.unit.trainer.local_parameters(), peer.unit.engine.global_params)  # no overlap: θ = φ
             assert peer.unit.outer_round == round_index + 1
-            assert peer.unit.fragments[0].tokens_since_round == 0
-        assert_all_equal(a.unit.global_params, b.unit.global_params)
+            assert peer.unit.engine.fragments[0].tokens_since_round == 0
+        assert_all_equal(a.unit.engine.global_params, b.unit.engine.global_params)
     assert [begun.weight for begun in a.averager.begun] == [TOKENS_PER_STEP] * 3
 
 
@@ -128,33 +129,32 @@ def test_late_outcome_keeps_the_overlapped_inner_steps(make_peer: PeerFactory) -
     train_until_round(b)
     assert poll(a) and poll(b)
 
-    count = len(a.unit.global_params)
+    count = len(a.unit.engine.global_params)
     sent = group.rounds[-1]
     averaged = weighted_average(
         [sent[member].proposal for member in (a.averager, b.averager)], [2 * TOKENS_PER_STEP] * 2
     )
-    assert_all_close(a.unit.global_params, averaged[:count])
-    assert_all_close(a.unit.momentum, averaged[count:])
-    assert_all_equal(a.unit.global_params, b.unit.global_params)
-    expected_theta = merge_local_progress(a.unit.global_params, theta_now, theta_sent)
+    assert_all_close(a.unit.engine.global_params, averaged[:count])
+    assert_all_close(a.unit.engine.momentum, averaged[count:])
+    assert_all_equal(a.unit.engine.global_params, b.unit.engine.global_params)
+    expected_theta = merge_local_progress(a.unit.engine.global_params, theta_now, theta_sent)
     assert_all_close(a.unit.trainer.local_parameters(), expected_theta)
-    assert differs(a.unit.trainer.local_parameters(), a.unit.global_params)  # the overlapped steps were kept
-    assert_all_equal(b.unit.trainer.local_parameters(), b.unit.global_params)  # b had no overlap
+    assert differs(a.unit.trainer.local_parameters(), a.unit.engine.global_params)  # the overlapped steps were kept
+    assert_all_equal(b.unit.trainer.local_parameters(), b.unit.engine.global_params)  # b had no overlap
     assert a.events(OuterRound)[-1].overlap_steps == overlap
-    assert a.unit.fragments[0].steps_since_round == 0  # the next round starts H steps after this one ended
+    assert a.unit.engine.fragments[0].steps_since_round == 0  # the next round starts H steps after this one ended
 
 
 def test_failed_round_keeps_phi_and_round_and_carries_its_tokens(make_peer: PeerFactory) -> None:
-    group = FakeGroup(fail=True)
+    group = FakeGroup(FaultPlan().fail("a", call=0))
     a = make_peer("a", group)
-    phi0, momentum0 = clone_all(a.unit.global_params), clone_all(a.unit.momentum)
+    phi0, momentum0 = clone_all(a.unit.engine.global_params), clone_all(a.unit.engine.momentum)
     train_until_round(a)
     theta = a.unit.trainer.local_parameters()
     assert poll(a)
     assert_round_changed_nothing(a, phi0, momentum0, theta)
     assert a.events(OuterRoundFailed)[-1].error == "FakeGroup: quorum not reached"
-
-    group.fail = False
+    assert a.events(OuterRoundFailed)[-1].status == "failed"
     for _ in range(2):
         inner_step(a)
     theta4 = a.unit.trainer.local_parameters()
@@ -162,18 +162,20 @@ def test_failed_round_keeps_phi_and_round_and_carries_its_tokens(make_peer: Peer
     assert [begun.weight for begun in a.averager.begun] == [2 * TOKENS_PER_STEP, 4 * TOKENS_PER_STEP]
     assert poll(a)
     # alone in its group, the unit takes its own outer step on the pseudo-gradient of all four inner steps
-    expected_phi, expected_momentum = outer_step(phi0, momentum0, pseudo_gradient(phi0, theta4), a.unit.hyper)
-    assert_all_close(a.unit.global_params, expected_phi)
-    assert_all_close(a.unit.momentum, expected_momentum)
-    assert a.unit.outer_round == 1 and a.unit.fragments[0].tokens_since_round == 0
+    expected_phi, expected_momentum = outer_step(
+        phi0, momentum0, pseudo_gradient(phi0, theta4), a.unit.engine.plan.hyper
+    )
+    assert_all_close(a.unit.engine.global_params, expected_phi)
+    assert_all_close(a.unit.engine.momentum, expected_momentum)
+    assert a.unit.outer_round == 1 and a.unit.engine.fragments[0].tokens_since_round == 0
 
 
 def test_non_finite_average_is_rejected_like_a_failed_round(make_peer: PeerFactory) -> None:
     group = FakeGroup()
     a = make_peer("a", group)
-    template = [*a.unit.global_params, *a.unit.momentum]
+    template = [*a.unit.engine.global_params, *a.unit.engine.momentum]
     rogue = group.averager(template)  # a member whose proposal carries a NaN into the average
-    phi0, momentum0 = clone_all(a.unit.global_params), clone_all(a.unit.momentum)
+    phi0, momentum0 = clone_all(a.unit.engine.global_params), clone_all(a.unit.engine.momentum)
     train_until_round(a)
     theta = a.unit.trainer.local_parameters()
     poisoned = clone_all(template)
@@ -202,10 +204,12 @@ def test_a_diverged_unit_never_sends_a_non_finite_proposal(make_peer: PeerFactor
 def test_round_after_merge_is_the_largest_member_round_plus_one(make_peer: PeerFactory) -> None:
     group = FakeGroup()
     a, b = make_peer("a", group), make_peer("b", group)
-    a.unit.set_fragment_rounds([3])
-    b.unit.set_fragment_rounds([5])
-    b.unit.global_params = [tensor + 0.01 for tensor in b.unit.global_params]  # b's φ drifted from a's
-    drift = probe_drift([consensus_probe(peer.unit.global_params, peer.unit.probe_indices[0]) for peer in (a, b)])
+    set_rounds(a, [3])
+    set_rounds(b, [5])
+    b.unit.engine.global_params = [tensor + 0.01 for tensor in b.unit.engine.global_params]  # b's φ drifted from a's
+    drift = probe_drift(
+        [consensus_probe(peer.unit.engine.global_params, peer.unit.engine.probe_indices[0]) for peer in (a, b)]
+    )
     assert drift > 0
     train_until_round(a)
     train_until_round(b)
@@ -223,7 +227,7 @@ def test_run_begins_a_round_every_h_steps(make_peer: PeerFactory) -> None:
     a.unit.run(threading.Event())
     # instant solo rounds: begun after steps 2 and 5, merged at the next poll (steps 3 and 6); the step that
     # overlapped a round counts in the next round's tokens but the next round starts H steps after the merge
-    assert a.unit.inner_step == 6 and a.unit.outer_round == 2 and a.unit.fragments[0].sent is None
+    assert a.unit.inner_step == 6 and a.unit.outer_round == 2 and a.unit.engine.fragments[0].sent is None
     assert [begun.weight for begun in a.averager.begun] == [2 * TOKENS_PER_STEP, 3 * TOKENS_PER_STEP]
     assert [event.overlap_steps for event in a.events(OuterRound)] == [1, 1]
     assert a.records.progress["a"].inner_step >= 1
@@ -233,15 +237,15 @@ def test_run_begins_a_round_every_h_steps(make_peer: PeerFactory) -> None:
 def test_join_adopts_the_swarm_state_of_a_later_round(make_peer: PeerFactory) -> None:
     template = make_peer("template", FakeGroup()).unit
     generator = torch.Generator().manual_seed(1)
-    phi = [torch.randn(t.shape, generator=generator) * 0.02 for t in template.global_params]
-    momentum = [torch.randn(t.shape, generator=generator) * 1e-3 for t in template.global_params]
+    phi = [torch.randn(t.shape, generator=generator) * 0.02 for t in template.engine.global_params]
+    momentum = [torch.randn(t.shape, generator=generator) * 1e-3 for t in template.engine.global_params]
     served = SwarmState(phi, momentum, fragment_rounds=[7], inner_step=140, tokens=9000)
     records = FakeRecords({"donor": progress("donor", 7, template.loaded.fingerprint)})
     a = make_peer("a", FakeGroup(), records=records, served=served)
     assert a.unit.join() == "swarm"
     assert a.state_server.downloads == 1
-    assert_all_equal(a.unit.global_params, phi)
-    assert_all_equal(a.unit.momentum, momentum)
+    assert_all_equal(a.unit.engine.global_params, phi)
+    assert_all_equal(a.unit.engine.momentum, momentum)
     assert a.unit.outer_round == 7
     assert_all_equal(a.unit.trainer.local_parameters(), phi)
     assert a.state_server.published[-1].outer_round == 7  # it serves the adopted state at once
@@ -250,11 +254,11 @@ def test_join_adopts_the_swarm_state_of_a_later_round(make_peer: PeerFactory) ->
 
 def test_join_alone_starts_from_the_initial_weights(make_peer: PeerFactory) -> None:
     a = make_peer("a", FakeGroup())
-    initial = clone_all(a.unit.global_params)
+    initial = clone_all(a.unit.engine.global_params)
     a.records.publish_progress(progress("a", 9, a.unit.loaded.fingerprint))  # its own stale record is ignored
     assert a.unit.join() == "initial weights"
     assert a.state_server.downloads == 0
-    assert_all_equal(a.unit.global_params, initial)
+    assert_all_equal(a.unit.engine.global_params, initial)
     assert a.unit.outer_round == 0 and a.state_server.published[-1].outer_round == 0
 
 
@@ -263,24 +267,24 @@ def test_join_resumes_a_checkpoint_newer_than_the_swarm(make_peer: PeerFactory) 
     train_until_round(first)
     assert poll(first)
     inner_step(first)  # θ ≠ φ in the checkpoint
-    first.unit.set_fragment_rounds([5])
+    set_rounds(first, [5])
     first.unit.save()
     records = FakeRecords({"donor": progress("donor", 3, first.unit.loaded.fingerprint)})
-    served = SwarmState(clone_all(first.unit.global_params), clone_all(first.unit.momentum), [3], 0, 0)
+    served = SwarmState(clone_all(first.unit.engine.global_params), clone_all(first.unit.engine.momentum), [3], 0, 0)
     again = make_peer("a", FakeGroup(), records=records, served=served)
     assert again.unit.join() == "checkpoint"
     assert again.state_server.downloads == 0
     assert again.unit.outer_round == 5 and again.unit.inner_step == 3 and again.unit.tokens == 3 * TOKENS_PER_STEP
-    assert_all_equal(again.unit.global_params, first.unit.global_params)
-    assert_all_equal(again.unit.momentum, first.unit.momentum)
+    assert_all_equal(again.unit.engine.global_params, first.unit.engine.global_params)
+    assert_all_equal(again.unit.engine.momentum, first.unit.engine.momentum)
     assert_all_equal(again.unit.trainer.local_parameters(), first.unit.trainer.local_parameters())
 
 
 def test_join_prefers_a_swarm_ahead_of_the_checkpoint(make_peer: PeerFactory) -> None:
     first = make_peer("a", FakeGroup())
-    first.unit.set_fragment_rounds([2])
+    set_rounds(first, [2])
     first.unit.save()
-    served = SwarmState(clone_all(first.unit.global_params), clone_all(first.unit.momentum), [4], 0, 0)
+    served = SwarmState(clone_all(first.unit.engine.global_params), clone_all(first.unit.engine.momentum), [4], 0, 0)
     records = FakeRecords({"donor": progress("donor", 4, first.unit.loaded.fingerprint)})
     again = make_peer("a", FakeGroup(), records=records, served=served)
     assert again.unit.join() == "swarm" and again.unit.outer_round == 4
@@ -310,21 +314,21 @@ def test_finish_hands_the_last_steps_to_a_final_round_then_checkpoints_and_expor
     train_until_round(a)
     assert poll(a)
     inner_step(a)
-    phi_before, theta = clone_all(a.unit.global_params), a.unit.trainer.local_parameters()
+    phi_before, theta = clone_all(a.unit.engine.global_params), a.unit.trainer.local_parameters()
     assert differs(theta, phi_before)
     a.unit.finish()
 
     final = a.averager.begun[-1]  # the one-step progress went into a last round (alone here: quorum 1)
-    assert a.unit.outer_round == 2 and final.weight == TOKENS_PER_STEP and a.unit.fragments[0].sent is None
-    assert differs(a.unit.global_params, phi_before)
+    assert a.unit.outer_round == 2 and final.weight == TOKENS_PER_STEP and a.unit.engine.fragments[0].sent is None
+    assert differs(a.unit.engine.global_params, phi_before)
     checkpoint = load_checkpoint(a.unit.checkpoint_path)
     assert checkpoint is not None
     assert checkpoint["model_fingerprint"] == a.unit.loaded.fingerprint and checkpoint["outer_round"] == 2
-    assert_all_equal(checkpoint["global_params"], a.unit.global_params)
+    assert_all_equal(checkpoint["global_params"], a.unit.engine.global_params)
     assert_all_equal(checkpoint["local_params"], a.unit.trainer.local_parameters())  # exporting φ left θ in place
     assert (save_dir / "model.safetensors").exists()
     exported = AutoModelForCausalLM.from_pretrained(save_dir)
-    assert_all_equal([p.detach() for p in exported.parameters() if p.requires_grad], a.unit.global_params)
+    assert_all_equal([p.detach() for p in exported.parameters() if p.requires_grad], a.unit.engine.global_params)
     stop = a.events(Stop)[-1]
     assert stop.outer_round == 2 and math.isfinite(stop.eval_loss)
     ledger = a.unit.ledger  # every step was merged: all its compute is useful
@@ -339,9 +343,9 @@ def test_finish_drops_a_round_that_does_not_end_in_time(make_peer: PeerFactory) 
     a, _absent = make_peer("a", group), make_peer("b", group)
     seconds = train_until_round(a)
     a.unit.finish()
-    assert a.averager.cancelled == 1 and not a.averager.in_flight and a.unit.fragments[0].sent is None
-    assert a.unit.fragments[0].tokens_since_round == 2 * TOKENS_PER_STEP
-    assert a.unit.fragments[0].compute_since_round == pytest.approx(seconds)
+    assert a.averager.cancelled == 1 and not a.averager.in_flight and a.unit.engine.fragments[0].sent is None
+    assert a.unit.engine.fragments[0].tokens_since_round == 2 * TOKENS_PER_STEP
+    assert a.unit.engine.fragments[0].compute_since_round == pytest.approx(seconds)
     stop = a.events(Stop)[-1]
     assert stop.useful_compute_s == 0.0 and stop.goodput == 0.0
     assert stop.compute_s == pytest.approx(seconds) and saved_ledger(a).compute_s == stop.compute_s
@@ -353,13 +357,13 @@ def test_finish_drops_a_round_that_does_not_end_in_time(make_peer: PeerFactory) 
 def test_a_merged_round_makes_the_compute_of_its_steps_useful(make_peer: PeerFactory) -> None:
     a = make_peer("a", FakeGroup())
     seconds = train_until_round(a)
-    assert a.unit.ledger.useful_compute_s == 0.0 and a.unit.fragments[0].compute_since_round == 0.0
+    assert a.unit.ledger.useful_compute_s == 0.0 and a.unit.engine.fragments[0].compute_since_round == 0.0
     overlap = inner_step(a)  # trained while the round was in flight: it belongs to the next round
     assert poll(a)
     ledger = a.unit.ledger
     assert ledger.useful_compute_s == pytest.approx(seconds) and ledger.useful_tokens == 2 * TOKENS_PER_STEP
     assert ledger.compute_s == pytest.approx(seconds + overlap) and ledger.tokens == 3 * TOKENS_PER_STEP
-    assert a.unit.fragments[0].compute_since_round == pytest.approx(overlap)
+    assert a.unit.engine.fragments[0].compute_since_round == pytest.approx(overlap)
     assert saved_ledger(a) == ledger  # saved once per merged round
     event = a.events(OuterRound)[-1]
     assert event.useful_compute_s == ledger.useful_compute_s and event.useful_tokens == 2 * TOKENS_PER_STEP
@@ -369,12 +373,13 @@ def test_a_merged_round_makes_the_compute_of_its_steps_useful(make_peer: PeerFac
 
 
 def test_a_failed_round_carries_its_compute_into_the_next_merge(make_peer: PeerFactory) -> None:
-    group = FakeGroup(fail=True)
+    group = FakeGroup(FaultPlan().fail("a", call=0))
     a = make_peer("a", group)
     first = train_until_round(a)
     assert poll(a)
-    assert a.unit.ledger.useful_compute_s == 0.0 and a.unit.fragments[0].compute_since_round == pytest.approx(first)
-    group.fail = False
+    assert a.unit.ledger.useful_compute_s == 0.0 and a.unit.engine.fragments[0].compute_since_round == pytest.approx(
+        first
+    )
     second = train_until_round(a)
     assert poll(a)
     assert a.unit.ledger.useful_compute_s == pytest.approx(first + second)
@@ -388,8 +393,8 @@ def test_a_local_reset_discards_the_compute_of_its_steps(make_peer: PeerFactory)
     poisoned = a.unit.trainer.local_parameters()
     poisoned[0].view(-1)[0] = float("nan")
     a.unit.trainer.load_parameters(poisoned)
-    assert maybe_begin(a) and a.events(LocalReset) and a.unit.fragments[0].sent is None
-    assert a.unit.fragments[0].compute_since_round == 0.0
+    assert maybe_begin(a) and a.events(LocalReset) and a.unit.engine.fragments[0].sent is None
+    assert a.unit.engine.fragments[0].compute_since_round == 0.0
     kept = train_until_round(a)
     assert poll(a)
     assert a.unit.ledger.useful_compute_s == pytest.approx(kept)

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import pytest
 import torch
@@ -16,13 +16,13 @@ from fakes import FakeAverager, FakeGroup, FakeRecords, FakeStateServer
 from p2p_diloco.config import PeerConfig, load_config
 from p2p_diloco.data import load_text_data, shard_seed
 from p2p_diloco.events import E, read_events
-from p2p_diloco.fragments import partition, views
 from p2p_diloco.metrics import MetricsLog
 from p2p_diloco.model import load_model
+from p2p_diloco.presets import CORPUS, TINY_MODEL
+from p2p_diloco.rounds import RoundPlan
 from p2p_diloco.state_sync import SwarmState
-from p2p_diloco.unit import LearningUnit
+from p2p_diloco.unit import LearningUnit, UnitNetwork
 
-ASSETS = Path(__file__).resolve().parents[1] / "p2p_diloco" / "assets"
 SEQ_LEN, BATCH_SIZE = 32, 2
 TOKENS_PER_STEP = SEQ_LEN * BATCH_SIZE
 SYNC_DATA_PARALLEL = dict(
@@ -41,7 +41,7 @@ class Peer:
     batches: Iterator[torch.Tensor]
     work_dir: Path
     averagers: list[FakeAverager]  # one per fragment; ``averager`` is the first
-    consensus: list[FakeAverager] | None  # one per fragment
+    consensus: list[FakeAverager]  # one per fragment, when the plan has consensus rounds
 
     def events(self, kind: type[E]) -> list[E]:
         return read_events(self.work_dir / "metrics.jsonl", kind)
@@ -52,9 +52,9 @@ PeerFactory = Callable[..., Peer]
 
 def make_config(work_dir: Path, **overrides: Any) -> PeerConfig:
     settings: dict[str, Any] = dict(
-        model__model_config_path=str(ASSETS / "tiny-gpt2"),
+        model__model_config_path=str(TINY_MODEL),
         model__device="cpu",
-        data__dataset=str(ASSETS / "corpus"),
+        data__dataset=str(CORPUS),
         data__seq_len=SEQ_LEN,
         data__batch_size=BATCH_SIZE,
         data__eval_batches=1,
@@ -76,29 +76,26 @@ def make_peer(tmp_path: Path) -> Iterator[PeerFactory]:
         group: FakeGroup | Sequence[FakeGroup],
         records: FakeRecords | None = None,
         served: SwarmState | None = None,
-        consensus_groups: Sequence[FakeGroup] | None = None,
+        consensus_groups: Sequence[FakeGroup] = (),
         **overrides: Any,
     ) -> Peer:
-        """``group``: one per streaming fragment (a single group for P = 1)."""
+        """``group``: one per streaming fragment (a single group for P = 1); ``consensus_groups`` one per fragment
+        when the plan has consensus rounds."""
         work_dir = tmp_path / name
         config = make_config(work_dir, **overrides)
         loaded = load_model(config.model)  # same seed ⇒ same initial weights on every unit
         data = load_text_data(config.data, loaded.tokenizer, shard_seed(config.model.seed, name))
         trained = [param for param in loaded.model.parameters() if param.requires_grad]
+        plan = RoundPlan.from_config(config.outer, [param.shape for param in trained])
         groups = [group] if isinstance(group, FakeGroup) else list(group)
-        fragments = partition([param.shape for param in trained], config.outer.fragments)
-        copies = 2 if config.outer.codec == "fp32" and config.outer.sync_momentum else 1
-        averagers = [group.averager(views(trained, f) * copies) for group, f in zip(groups, fragments, strict=True)]
-        consensus = None
-        if consensus_groups is not None:
-            consensus = [g.averager([torch.zeros(f.numel)]) for g, f in zip(consensus_groups, fragments, strict=True)]
+        averagers = [g.averager(t, name) for g, t in zip(groups, plan.round_templates(trained), strict=True)]
+        templates = plan.consensus_templates() if consensus_groups else []
+        consensus = [g.averager(t, name) for g, t in zip(consensus_groups, templates, strict=True)]
         state_server, records = FakeStateServer(served), records if records is not None else FakeRecords()
         metrics = MetricsLog(work_dir / "metrics.jsonl")
         logs.append(metrics)
-        unit = LearningUnit(
-            config, loaded, data, cast(Any, averagers), cast(Any, state_server), cast(Any, records), name, metrics,
-            cast(Any, consensus),
-        )  # fmt: skip
+        network = UnitNetwork(averagers, consensus, state_server, records, name)
+        unit = LearningUnit(config, plan, loaded, data, network, metrics)
         return Peer(unit, averagers[0], state_server, records, data.train_batches(), work_dir, averagers, consensus)
 
     yield factory
@@ -113,7 +110,8 @@ def inner_step(peer: Peer) -> float:
 
 
 def poll(peer: Peer) -> bool:
-    return peer.unit.poll_round() is not None
+    """Whether a round ended."""
+    return bool(peer.unit.poll_round())
 
 
 def maybe_begin(peer: Peer) -> bool:
@@ -123,7 +121,13 @@ def maybe_begin(peer: Peer) -> bool:
 def train_until_round(peer: Peer) -> float:
     """Inner steps until the unit begins its next round (it must have none in flight); returns their compute
     seconds."""
-    assert peer.unit.fragments[0].sent is None
+    assert peer.unit.engine.fragments[0].sent is None
     seconds = sum(inner_step(peer) for _ in range(peer.unit.config.outer.inner_steps))
     assert maybe_begin(peer)
     return seconds
+
+
+def set_rounds(peer: Peer, rounds: list[int]) -> None:
+    """Put the unit's fragments at these outer rounds (φ and m unchanged)."""
+    engine = peer.unit.engine
+    engine.load_state(engine.global_params, engine.momentum, rounds)

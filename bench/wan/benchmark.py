@@ -8,7 +8,7 @@ Methods:
 * ``sync-dp``: gloo all-reduce of the gradients every step (fixed membership);
 * ``sync-diloco``: blocking all-reduce of the pseudo-gradients every H steps;
 * ``ours-p1``: our swarm with one fragment and fp32 proposals (plain decoupled DiLoCo);
-* ``ours-streaming``: our swarm with P streaming fragments, codec C and at most K rounds in flight;
+* ``ours-streaming``: our swarm with P streaming fragments, a codec, and at most ``--max-in-flight`` rounds in flight;
 * ``dp-reference``: ``sync-dp`` on 127.0.0.1 without rate limit, the data-parallel quality per token (not timed).
 """
 

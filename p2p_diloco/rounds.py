@@ -1,0 +1,532 @@
+"""The outer round's one home: the plan of a unit's rounds (:class:`RoundPlan`, derived once from ``[outer]``), where
+units meet and share state (:class:`KeySchema`), and the engine that runs the rounds (:class:`RoundEngine`).
+
+The engine owns φ, the outer momentum m, every fragment's round bookkeeping, the in-flight bound, the consensus queue
+and the matchmaking window. It never does I/O and never waits (but in :meth:`RoundEngine.drain`, bounded, at exit):
+it returns typed results, and the learning unit does the I/O they call for. The calling loop::
+
+    engine = RoundEngine(plan, averagers, consensus_averagers, local=trainer.params)
+    while training:
+        stats = trainer.train_step(batches)
+        engine.record_step(stats.tokens, stats.seconds)
+        for end in engine.poll():                    # rounds that ended, already merged into φ, m and θ
+            ...                                      # metrics, goodput; when end.advanced: publish, eval, checkpoint
+        for begin in engine.begin_due(step_time_s):  # rounds that became due
+            ...                                      # RESET: θ was reset to φ, reset the inner optimizer
+    engine.begin_final(step_time_s); engine.drain(plan.final_round_bound_s(step_time_s))
+
+Failure contract (what each outcome does to φ_p, m_p and θ_p of fragment p; see streaming.py for the payloads):
+
+* ``MERGED`` / ``ALONE``: the group's average (alone, with quorum 1: the unit's own payload) becomes φ_p and m_p,
+  θ_p ← φ_p + (θ_p,now − θ_p,sent) keeps the steps taken while the round was in flight, however late it arrived; the
+  fragment's round becomes max(members' rounds) + 1 and its next round is due H inner steps later. A partial average
+  (a member died mid all-reduce, HIVEMIND.md trap 2) merges like any other: the following rounds average it out.
+* ``FAILED`` (no group of ``quorum`` members, a network error, a stuck averager replaced) and ``REJECTED`` (a non-finite
+  average): φ_p, m_p, θ_p and the round are unchanged; the round's tokens and compute go into the fragment's next
+  round, whose pseudo-gradient still holds its progress, so nothing is lost.
+* ``DEFERRED``: the averager could not take the round yet (its tensors are held); nothing changed, the round stays due.
+* ``RESET``: θ was non-finite when a round was due: nothing is sent, θ ← φ, every fragment's schedule restarts and the
+  caller resets its inner optimizer; the steps since the last merge are lost.
+* A consensus round (lossy codecs) adds (group mean − sent φ_p) to φ_p and θ_p when a group of two or more members
+  agreeing on the fragment returned a finite mean (``MERGED``); otherwise it changes nothing.
+* At exit, :meth:`RoundEngine.drain` waits a bounded time; a round still running is cancelled and carried like a
+  failed one (its progress stays in θ and in the checkpoint).
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import hashlib
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from p2p_diloco.compression import Codec, ErrorFeedback, roundtrip
+from p2p_diloco.config import ConfigError, OuterSection
+from p2p_diloco.diloco import (
+    OuterHyperparams,
+    all_finite,
+    consensus_probe,
+    consensus_probe_indices,
+    merge_local_progress,
+)
+from p2p_diloco.fragments import Fragment, assign, copies, due_fragments, partition, views
+from p2p_diloco.streaming import FragmentRounds, Payload, SentRound, consensus_correction, consensus_payload
+
+if TYPE_CHECKING:
+    from p2p_diloco.averaging import Averager, RoundOutcome
+
+logger = logging.getLogger(__name__)
+
+Tensors = list[torch.Tensor]
+FINAL_ROUND_SLACK_S = 1.0  # matchmaking may run this long past the window (averaging.py)
+
+
+# ------------------------------------------------------------------------------------------------------ plan
+@dataclass(frozen=True)
+class KeySchema:
+    """The DHT prefixes under which units meet (averagers) and share state (state server), in one place.
+
+    ==========================================  ====================================================================
+    prefix                                      who meets or shares under it
+    ==========================================  ====================================================================
+    ``{run}_{model}_p{P}_state``                 the state server: φ, m and P fragment rounds. Units share state when
+                                                 their run id, model fingerprint and number of fragments P match;
+                                                 codec, momentum sync, outer step, consensus, quorum, group size,
+                                                 windows and timeouts do not matter.
+    ``{run}_{model}_p{P}_f{p}_r{digest}``        fragment p's rounds. Units meet when, beyond run, model and P, what
+                                                 a round carries (payload, codec) and the outer step (lr, momentum,
+                                                 Nesterov) match: ``digest`` hashes those. Units of other settings
+                                                 never meet, so they never average incompatible payloads.
+    ``{run}_{model}_p{P}_f{p}_consensus``        fragment p's consensus rounds (fp32 φ_p, lossy codecs): units of
+                                                 any codec and outer step, since φ_p means the same for all of them.
+    ==========================================  ====================================================================
+
+    hivemind forbids '.' in a prefix (its group keys are ``prefix.0b…``), hence the digest instead of the settings.
+    """
+
+    run_id: str
+    fingerprint: str
+    fragments: int
+    round_digest: str
+
+    @property
+    def _base(self) -> str:
+        return f"{self.run_id}_{self.fingerprint}_p{self.fragments}"
+
+    def state(self) -> str:
+        return f"{self._base}_state"
+
+    def fragment_round(self, number: int) -> str:
+        return f"{self._base}_f{number}_r{self.round_digest}"
+
+    def consensus_round(self, number: int) -> str:
+        return f"{self._base}_f{number}_consensus"
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    """How a unit's outer rounds are laid out, derived once by :meth:`from_config`: the only reader of ``[outer]``."""
+
+    fragments: tuple[Fragment, ...]
+    payload: Payload
+    codec: Codec
+    error_feedback: bool
+    consensus_every_rounds: int  # 0: no consensus rounds (always 0 for proposal payloads)
+    consensus_tolerance: float
+    hyper: OuterHyperparams
+    inner_steps: int
+    max_in_flight: int
+    window_fraction: float
+    min_window_s: float
+    max_window_s: float
+    quorum: int
+    target_group_size: int
+    allreduce_timeout_s: float
+
+    @classmethod
+    def from_config(cls, outer: OuterSection, shapes: Sequence[torch.Size | Sequence[int]]) -> RoundPlan:
+        """The plan of a unit whose trained tensors have ``shapes``. Raises ConfigError when the model cannot be
+        split into ``outer.fragments`` fragments."""
+        try:
+            fragments = tuple(partition(shapes, outer.fragments))
+        except ValueError as error:
+            raise ConfigError(f"invalid config outer.fragments (--fragments): {error}") from None
+        if outer.codec != "fp32":
+            payload = Payload.PSEUDO_GRADIENT
+        else:
+            payload = Payload.PROPOSAL_WITH_MOMENTUM if outer.sync_momentum else Payload.PROPOSAL
+        lossy = payload is Payload.PSEUDO_GRADIENT
+        return cls(
+            fragments=fragments,
+            payload=payload,
+            codec=outer.codec,
+            error_feedback=lossy and outer.error_feedback,
+            consensus_every_rounds=outer.consensus_every_rounds if lossy else 0,
+            consensus_tolerance=outer.consensus_tolerance,
+            hyper=OuterHyperparams(outer.outer_lr, outer.outer_momentum, outer.nesterov),
+            inner_steps=outer.inner_steps,
+            max_in_flight=outer.max_in_flight,
+            window_fraction=outer.window_fraction,
+            min_window_s=outer.min_window_s,
+            max_window_s=outer.max_window_s,
+            quorum=outer.quorum,
+            target_group_size=outer.target_group_size,
+            allreduce_timeout_s=outer.allreduce_timeout_s,
+        )
+
+    @property
+    def consensus(self) -> bool:
+        """Whether consensus rounds run (one more averager per fragment)."""
+        return self.consensus_every_rounds > 0
+
+    def keys(self, run_id: str, fingerprint: str) -> KeySchema:
+        """Where this plan's units meet and share state (see :class:`KeySchema`)."""
+        carried = f"payload={self.payload.value};codec={self.codec}"
+        step = f"lr={self.hyper.lr!r};momentum={self.hyper.momentum!r};nesterov={self.hyper.nesterov}"
+        digest = hashlib.blake2b(f"{carried};{step}".encode(), digest_size=5).hexdigest()
+        return KeySchema(run_id, fingerprint, len(self.fragments), digest)
+
+    def round_templates(self, trained: Sequence[torch.Tensor]) -> list[Tensors]:
+        """Per fragment, tensors shaped like one round's payload (its pieces, once or twice)."""
+        return [views(trained, fragment) * self.payload.copies for fragment in self.fragments]
+
+    def consensus_templates(self) -> list[Tensors]:
+        """Per fragment, a tensor shaped like one consensus round's payload (φ_p flat)."""
+        return [[torch.zeros(fragment.numel)] for fragment in self.fragments]
+
+    def window_s(self, step_time_s: float | None) -> float:
+        """The matchmaking window: how long a round recruits members, ``window_fraction`` × H measured wall times per
+        inner step, clamped to [min_window_s, max_window_s] (the minimum before any step was measured).
+
+        With a window of half a round period, two units meet whatever their phase; units that averaged together end
+        the round together and stay in phase afterwards."""
+        if step_time_s is None:
+            return self.min_window_s
+        window = self.window_fraction * self.inner_steps * step_time_s
+        return min(self.max_window_s, max(self.min_window_s, window))
+
+    def final_round_bound_s(self, step_time_s: float | None) -> float:
+        """The longest a unit's last rounds may take at exit: the window, matchmaking's slack and the all-reduce."""
+        return self.window_s(step_time_s) + FINAL_ROUND_SLACK_S + self.allreduce_timeout_s
+
+
+# ---------------------------------------------------------------------------------------------------- results
+class RoundKind(enum.Enum):
+    FRAGMENT = "fragment"
+    CONSENSUS = "consensus"
+
+
+class RoundStatus(enum.Enum):
+    """What became of a round (the module docstring says what each does to φ, m and θ)."""
+
+    BEGUN = "begun"
+    DEFERRED = "deferred"
+    RESET = "reset"
+    MERGED = "merged"
+    ALONE = "alone"
+    FAILED = "failed"
+    REJECTED = "rejected"
+
+
+@dataclass(frozen=True)
+class RoundBegin:
+    """A round that was due: ``BEGUN`` (in flight now), ``DEFERRED`` or ``RESET`` (every fragment starts over)."""
+
+    kind: RoundKind
+    fragment: int
+    status: RoundStatus
+    outer_round: int  # the fragment's round
+    window_s: float = 0.0  # BEGUN: its matchmaking window
+    weight: int = 0  # BEGUN fragment round: the tokens it carries
+
+
+@dataclass(frozen=True)
+class RoundEnd:
+    """A round that ended: ``MERGED``, ``ALONE``, ``FAILED`` or ``REJECTED``."""
+
+    kind: RoundKind
+    fragment: int
+    status: RoundStatus
+    outer_round: int  # the fragment's round after it
+    unit_outer_round: int  # the unit's (its smallest fragment round) after it
+    advanced: bool  # the unit's outer round went up: the time for its once-per-period I/O
+    group_size: int
+    member_drift: float
+    seconds: float
+    weight: int  # fragment round: the tokens it carried
+    overlap_steps: int  # inner steps taken while it was in flight
+    useful_compute_s: float  # merged fragment round: compute of the steps it merged (the fragment's share)
+    useful_tokens: int
+    error: str | None
+
+    @property
+    def merged(self) -> bool:
+        return self.status in (RoundStatus.MERGED, RoundStatus.ALONE)
+
+
+# ----------------------------------------------------------------------------------------------------- engine
+class RoundEngine:
+    """Runs one unit's outer rounds (see the module docstring for the loop and the failure contract).
+
+    ``averagers`` has one averager per fragment of ``plan``; ``consensus_averagers`` one more per fragment exactly
+    when ``plan.consensus``. ``local`` are the trained tensors θ: read when a round is sent, written when it merges.
+    φ starts as a copy of θ and m at zero. Raises ValueError when the averagers do not match the plan.
+    """
+
+    def __init__(
+        self,
+        plan: RoundPlan,
+        averagers: Sequence[Averager],
+        consensus_averagers: Sequence[Averager] = (),
+        *,
+        local: Sequence[torch.Tensor],
+    ):
+        count = len(plan.fragments)
+        if len(averagers) != count or len(consensus_averagers) != (count if plan.consensus else 0):
+            raise ValueError(f"a plan of {count} fragments (consensus: {plan.consensus}) got {len(averagers)} "
+                             f"averagers and {len(consensus_averagers)} consensus averagers")  # fmt: skip
+        self.plan = plan
+        self.averagers, self.consensus_averagers = list(averagers), list(consensus_averagers)
+        self.local = list(local)
+        self.global_params: Tensors = [tensor.detach().to(device="cpu", dtype=torch.float32, copy=True)
+                                       for tensor in self.local]  # fmt: skip
+        self.momentum: Tensors = [torch.zeros_like(tensor) for tensor in self.global_params]
+        total = sum(fragment.numel for fragment in plan.fragments)
+        self.fragments = [self._fragment_rounds(fragment, fragment.numel / total) for fragment in plan.fragments]
+        self.probe_indices = [consensus_probe_indices(views(self.global_params, f)) for f in plan.fragments]
+        self.consensus_due: list[int] = []  # fragments waiting for a consensus round, oldest first
+        self.consensus_sent: dict[int, torch.Tensor] = {}  # fragment → payload of its consensus round in flight
+        self.steps = 0  # inner steps recorded (the clock of overlaps)
+        self._restart_schedules()
+
+    def _fragment_rounds(self, fragment: Fragment, share: float) -> FragmentRounds:
+        feedback = self.plan.error_feedback
+        return FragmentRounds(
+            fragment,
+            share,
+            self.plan.payload,
+            error_feedback=ErrorFeedback() if feedback else None,
+            roundtrip=functools.partial(roundtrip, codec=self.plan.codec) if feedback else None,
+        )
+
+    def _restart_schedules(self) -> None:
+        for rounds in self.fragments:
+            rounds.restart_schedule(len(self.fragments), self.plan.inner_steps)
+
+    # -------------------------------------------------------------------------------------------- state
+    @property
+    def outer_round(self) -> int:
+        """The outer round every fragment reached (the smallest fragment round)."""
+        return min(rounds.outer_round for rounds in self.fragments)
+
+    def fragment_rounds(self) -> list[int]:
+        return [rounds.outer_round for rounds in self.fragments]
+
+    def load_state(self, global_params: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor],
+                   fragment_rounds: Sequence[int]) -> None:  # fmt: skip
+        """Adopt φ, m and per-fragment rounds (a downloaded state or a checkpoint; θ is the caller's). A list of
+        rounds for another number of fragments sets every fragment to its smallest value."""
+        self.global_params = [tensor.detach().to(device="cpu", dtype=torch.float32) for tensor in global_params]
+        self.momentum = [tensor.detach().to(device="cpu", dtype=torch.float32) for tensor in momentum]
+        if len(fragment_rounds) != len(self.fragments):
+            fragment_rounds = [min(fragment_rounds, default=0)] * len(self.fragments)
+        for rounds, value in zip(self.fragments, fragment_rounds):
+            rounds.outer_round = int(value)
+
+    def record_step(self, tokens: int, compute_s: float) -> None:
+        """Count one inner step toward every fragment's next round."""
+        self.steps += 1
+        for rounds in self.fragments:
+            rounds.record_step(tokens, compute_s)
+
+    def fragments_in_flight(self) -> list[int]:
+        """The fragments whose round is in flight."""
+        return [rounds.fragment.number for rounds in self.fragments if rounds.sent is not None]
+
+    def in_flight(self) -> set[int]:
+        """Rounds in flight: fragment numbers p, and P + p for fragment p's consensus round."""
+        return set(self.fragments_in_flight()) | {len(self.fragments) + number for number in self.consensus_sent}
+
+    # ------------------------------------------------------------------------------------------- begin
+    def begin_due(self, step_time_s: float | None) -> list[RoundBegin]:
+        """Begin the rounds that are due within the in-flight bound: fragment rounds H steps after their last one
+        (staggered by fragment), then the oldest waiting consensus round. After a RESET nothing else begins."""
+        in_flight = self.in_flight()
+        steps = [rounds.steps_since_round for rounds in self.fragments]
+        due = due_fragments(steps, in_flight, self.plan.inner_steps, self.plan.max_in_flight)
+        results = []
+        for number in due:
+            results.append(self._begin(self.fragments[number], step_time_s))
+            if results[-1].status is RoundStatus.RESET:
+                return results
+        ready = [number for number in self.consensus_due if number not in self.consensus_sent]
+        if ready and len(in_flight) + len(due) < self.plan.max_in_flight:
+            results.append(self._begin_consensus(ready[0], step_time_s))
+        return results
+
+    def begin_final(self, step_time_s: float | None) -> list[RoundBegin]:
+        """At exit: begin every fragment round with steps to hand over and none in flight, whatever the schedule
+        and the in-flight bound (stops at a RESET: nothing finite to hand over)."""
+        results = []
+        for rounds in self.fragments:
+            if rounds.sent is None and rounds.steps_since_round > 0:
+                results.append(self._begin(rounds, step_time_s))
+                if results[-1].status is RoundStatus.RESET:
+                    break
+        return results
+
+    def _begin(self, rounds: FragmentRounds, step_time_s: float | None) -> RoundBegin:
+        number = rounds.fragment.number
+        local_at_send = copies(self.local, rounds.fragment)
+        if not all_finite(local_at_send):
+            # A diverged unit must not send NaN/inf: every group it joined would reject the average.
+            logger.error("local parameters are non-finite after %d inner steps: restarting from φ", self.steps)
+            with torch.no_grad():
+                for tensor, value in zip(self.local, self.global_params):
+                    tensor.copy_(value.to(device=tensor.device, dtype=tensor.dtype))
+            self._restart_schedules()
+            return RoundBegin(RoundKind.FRAGMENT, number, RoundStatus.RESET, rounds.outer_round)
+        payload, momentum_proposal = rounds.payload(self.global_params, self.momentum, local_at_send, self.plan.hyper)
+        weight, window_s = max(1, rounds.tokens_since_round), self.plan.window_s(step_time_s)
+        probe = consensus_probe(views(self.global_params, rounds.fragment), self.probe_indices[number])
+        tag = f"fragment {number}"
+        begun = self.averagers[number].begin_round(
+            payload, weight=weight, outer_round=rounds.outer_round, window_s=window_s, probe=probe, tag=tag
+        )
+        if not begun:
+            return RoundBegin(RoundKind.FRAGMENT, number, RoundStatus.DEFERRED, rounds.outer_round)
+        rounds.mark_sent(payload, local_at_send, momentum_proposal, self.steps)
+        return RoundBegin(RoundKind.FRAGMENT, number, RoundStatus.BEGUN, rounds.outer_round, window_s, weight)
+
+    def _begin_consensus(self, number: int, step_time_s: float | None) -> RoundBegin:
+        """Average fragment ``number``'s φ_p in fp32 with whichever units are in the same phase; DEFERRED when its
+        averager cannot take the round yet (it stays first in line)."""
+        rounds = self.fragments[number]
+        payload, window_s = consensus_payload(self.global_params, rounds.fragment), self.plan.window_s(step_time_s)
+        probe = consensus_probe(views(self.global_params, rounds.fragment), self.probe_indices[number])
+        tag = f"fragment {number}"
+        begun = self.consensus_averagers[number].begin_round(
+            [payload], weight=1.0, outer_round=rounds.outer_round, window_s=window_s, probe=probe, tag=tag
+        )
+        if not begun:
+            return RoundBegin(RoundKind.CONSENSUS, number, RoundStatus.DEFERRED, rounds.outer_round)
+        self.consensus_due.remove(number)
+        self.consensus_sent[number] = payload
+        return RoundBegin(RoundKind.CONSENSUS, number, RoundStatus.BEGUN, rounds.outer_round, window_s)
+
+    # --------------------------------------------------------------------------------------------- end
+    def poll(self) -> list[RoundEnd]:
+        """Merge every fragment and consensus round that ended (never waits); their results, in that order."""
+        ends = []
+        for rounds, averager in zip(self.fragments, self.averagers):
+            outcome = averager.poll()
+            if outcome is not None:
+                ends.append(self._end(rounds, outcome))
+        for number, averager in enumerate(self.consensus_averagers):
+            outcome = averager.poll()
+            if outcome is not None:
+                ends.append(self._end_consensus(number, outcome))
+        return ends
+
+    def drain(self, timeout_s: float) -> list[RoundEnd]:
+        """At exit, the one call that waits: cancel the consensus rounds in flight (they carry no progress), then
+        wait up to ``timeout_s`` in all for the fragment rounds in flight and merge those that end; the others are
+        cancelled and carried (see the module docstring)."""
+        for number in list(self.consensus_sent):
+            self.consensus_averagers[number].finish_round(0.0)
+            del self.consensus_sent[number]
+        deadline = time.monotonic() + timeout_s
+        ends = []
+        for rounds, averager in zip(self.fragments, self.averagers):
+            if rounds.sent is None:
+                continue
+            outcome = averager.finish_round(max(0.0, deadline - time.monotonic()))
+            if outcome is not None:
+                ends.append(self._end(rounds, outcome))
+            elif rounds.sent is not None:
+                rounds.carry(rounds.sent)
+                rounds.sent = None
+        return ends
+
+    def _end(self, rounds: FragmentRounds, outcome: RoundOutcome) -> RoundEnd:
+        sent, rounds.sent = rounds.sent, None
+        assert sent is not None, "an outcome arrived without a round in flight"
+        rounds.steps_since_round = 0
+        status = _fragment_status(outcome)
+        if status is RoundStatus.REJECTED:
+            logger.error("rejected a non-finite average in outer round %d", rounds.outer_round)
+        if status in (RoundStatus.FAILED, RoundStatus.REJECTED):
+            rounds.carry(sent)
+            return self._fragment_end(rounds, outcome, sent, status, advanced=False)
+        assert outcome.averaged is not None
+        unit_round_before = self.outer_round
+        self._merge(rounds, outcome.averaged, sent)
+        rounds.outer_round = max(rounds.outer_round, outcome.max_member_round) + 1
+        self._maybe_queue_consensus(rounds, outcome.member_drift)
+        return self._fragment_end(rounds, outcome, sent, status, advanced=self.outer_round > unit_round_before)
+
+    def _merge(self, rounds: FragmentRounds, averaged: Tensors, sent: SentRound) -> None:
+        """φ_p, m_p ← the merged values; θ_p ← φ_p + (θ_p,now − θ_p,sent)."""
+        new_params, new_momentum = rounds.merged(averaged, self.global_params, self.momentum, sent, self.plan.hyper)
+        assign(self.global_params, rounds.fragment, new_params)
+        assign(self.momentum, rounds.fragment, new_momentum)
+        merged_local = merge_local_progress(new_params, copies(self.local, rounds.fragment), sent.local_at_send)
+        assign(self.local, rounds.fragment, merged_local)
+
+    def _maybe_queue_consensus(self, rounds: FragmentRounds, member_drift: float) -> None:
+        """Queue a consensus round of the fragment every N of its rounds and after one whose members' φ_p differed by
+        more than the tolerance (every member saw the same probes, so all decide alike)."""
+        plan, number = self.plan, rounds.fragment.number
+        periodic = plan.consensus and rounds.outer_round % plan.consensus_every_rounds == 0
+        drifted = plan.consensus and member_drift > plan.consensus_tolerance
+        if (periodic or drifted) and number not in self.consensus_due:
+            self.consensus_due.append(number)
+
+    def _fragment_end(self, rounds: FragmentRounds, outcome: RoundOutcome, sent: SentRound, status: RoundStatus,
+                      advanced: bool) -> RoundEnd:  # fmt: skip
+        merged = status in (RoundStatus.MERGED, RoundStatus.ALONE)
+        return RoundEnd(
+            kind=RoundKind.FRAGMENT,
+            fragment=rounds.fragment.number,
+            status=status,
+            outer_round=rounds.outer_round,
+            unit_outer_round=self.outer_round,
+            advanced=advanced,
+            group_size=outcome.group_size,
+            member_drift=outcome.member_drift,
+            seconds=outcome.finished_at - outcome.started_at,
+            weight=sent.tokens,
+            overlap_steps=self.steps - sent.inner_step,
+            useful_compute_s=sent.compute_s * rounds.share if merged else 0.0,
+            useful_tokens=round(sent.tokens * rounds.share) if merged else 0,
+            error="the average was not finite" if status is RoundStatus.REJECTED else outcome.error,
+        )
+
+    def _end_consensus(self, number: int, outcome: RoundOutcome) -> RoundEnd:
+        """Add (group mean − sent) to φ_p and θ_p when the round is usable (see the module docstring)."""
+        sent = self.consensus_sent.pop(number)
+        status = _consensus_status(outcome)
+        if status is RoundStatus.MERGED:
+            assert outcome.averaged is not None
+            fragment = self.fragments[number].fragment
+            fix = consensus_correction(outcome.averaged[0], sent, fragment, self.global_params)
+            for tensors in (self.global_params, self.local):
+                assign(tensors, fragment, [now + delta for now, delta in zip(copies(tensors, fragment), fix)])
+        return RoundEnd(
+            kind=RoundKind.CONSENSUS,
+            fragment=number,
+            status=status,
+            outer_round=self.fragments[number].outer_round,
+            unit_outer_round=self.outer_round,
+            advanced=False,
+            group_size=outcome.group_size,
+            member_drift=outcome.member_drift,
+            seconds=outcome.finished_at - outcome.started_at,
+            weight=0,
+            overlap_steps=0,
+            useful_compute_s=0.0,
+            useful_tokens=0,
+            error=outcome.error,
+        )
+
+
+def _fragment_status(outcome: RoundOutcome) -> RoundStatus:
+    if outcome.averaged is None:
+        return RoundStatus.FAILED
+    if not all_finite(outcome.averaged):
+        return RoundStatus.REJECTED
+    return RoundStatus.ALONE if outcome.group_size == 1 else RoundStatus.MERGED
+
+
+def _consensus_status(outcome: RoundOutcome) -> RoundStatus:
+    if outcome.averaged is None:
+        return RoundStatus.FAILED
+    if not outcome.tags_agree or not all_finite(outcome.averaged):
+        return RoundStatus.REJECTED
+    return RoundStatus.ALONE if outcome.group_size == 1 else RoundStatus.MERGED

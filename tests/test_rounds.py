@@ -1,0 +1,280 @@
+"""The outer round's home (p2p_diloco/rounds.py): the plan derived from [outer], the key schema (which settings make
+units meet and share state, also on a real hivemind DHT), and the engine's typed results against in-memory fakes."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import hivemind
+import pytest
+import torch
+from fakes import FakeGroup, FaultPlan
+
+from p2p_diloco.averaging import OuterAverager
+from p2p_diloco.config import ConfigError, OuterSection
+from p2p_diloco.dht import stop_dht, visible_multiaddrs
+from p2p_diloco.rounds import RoundEngine, RoundKind, RoundPlan, RoundStatus
+from p2p_diloco.state_sync import StateServer, SwarmState
+from p2p_diloco.streaming import Payload
+
+SHAPES = [(64, 8), (8,), (16, 4)]
+TOKENS = 10
+
+# Settings that change neither what a round carries nor the outer step: units that differ in them meet and share state.
+NEUTRAL = [
+    {"quorum": 2},
+    {"target_group_size": 4},
+    {"window_fraction": 0.25, "min_window_s": 0.5, "max_window_s": 10.0},
+    {"allreduce_timeout_s": 5.0},
+    {"inner_steps": 7},
+    {"max_in_flight": 1},
+    {"consensus_tolerance": 0.5},
+]
+# Settings that shape a round: units that differ in any of them never meet (but still share state).
+ROUND_SETTINGS = [
+    {"codec": "fp16"},
+    {"codec": "int8"},
+    {"sync_momentum": False},
+    {"outer_lr": 0.5},
+    {"outer_momentum": 0.8},
+    {"nesterov": False},
+]
+
+
+def plan_of(**outer: Any) -> RoundPlan:
+    return RoundPlan.from_config(OuterSection(**outer), SHAPES)
+
+
+# ------------------------------------------------------------------------------------------------------ plan
+def test_the_codec_decides_what_a_round_carries_and_whether_consensus_rounds_run() -> None:
+    assert plan_of().payload is Payload.PROPOSAL_WITH_MOMENTUM and not plan_of().consensus
+    assert plan_of(sync_momentum=False).payload is Payload.PROPOSAL
+    lossy = plan_of(codec="int8", consensus_every_rounds=3)
+    assert lossy.payload is Payload.PSEUDO_GRADIENT and lossy.consensus and lossy.error_feedback
+    assert not plan_of(codec="fp16", consensus_every_rounds=0).consensus
+    assert not plan_of(codec="fp32", consensus_every_rounds=3).consensus, "proposals pull φ together themselves"
+    assert not plan_of(codec="fp16", error_feedback=False).error_feedback
+
+
+def test_templates_follow_the_fragments_and_the_payload() -> None:
+    trained = [torch.zeros(shape) for shape in SHAPES]
+    plan = plan_of(fragments=2)
+    templates = plan.round_templates(trained)
+    assert len(templates) == 2
+    for fragment, template in zip(plan.fragments, templates):
+        assert sum(tensor.numel() for tensor in template) == 2 * fragment.numel  # φ'_p and m'_p
+    assert [[t.numel() for t in template] for template in plan.consensus_templates()] == [
+        [fragment.numel] for fragment in plan.fragments
+    ]
+    lossy = plan_of(fragments=2, codec="fp16")
+    assert [sum(t.numel() for t in template) for template in lossy.round_templates(trained)] == [
+        fragment.numel for fragment in lossy.fragments
+    ]
+
+
+def test_the_matchmaking_window_is_a_clamped_fraction_of_the_period() -> None:
+    plan = plan_of(inner_steps=20, window_fraction=0.5, min_window_s=1.0, max_window_s=8.0)
+    assert plan.window_s(None) == 1.0  # nothing measured yet
+    assert plan.window_s(0.5) == pytest.approx(5.0)
+    assert plan.window_s(0.01) == 1.0 and plan.window_s(10.0) == 8.0
+    assert plan.final_round_bound_s(0.5) == pytest.approx(5.0 + 1.0 + plan.allreduce_timeout_s)
+
+
+def test_a_fragment_count_the_model_cannot_be_split_into_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="--fragments"):
+        RoundPlan.from_config(OuterSection(fragments=3), [(2, 3)])  # two rows for three fragments
+
+
+# ------------------------------------------------------------------------------------------------ key schema
+@pytest.mark.parametrize("settings", NEUTRAL + ROUND_SETTINGS + [{"consensus_every_rounds": 3, "codec": "fp16"}])
+def test_units_differing_in_anything_but_run_model_and_fragments_share_state(settings: dict[str, Any]) -> None:
+    assert plan_of(**settings).keys("run", "f00d").state() == plan_of().keys("run", "f00d").state()
+
+
+def test_lossy_units_that_differ_only_in_consensus_rounds_share_state() -> None:
+    """The state server's key once took the last consensus averager's prefix: such units could not download from
+    each other."""
+    with_consensus = plan_of(codec="fp16", consensus_every_rounds=10).keys("run", "f00d")
+    without = plan_of(codec="fp16", consensus_every_rounds=0).keys("run", "f00d")
+    assert with_consensus.state() == without.state() == "run_f00d_p1_state"
+    assert with_consensus.fragment_round(0) == without.fragment_round(0)
+
+
+@pytest.mark.parametrize("settings", NEUTRAL)
+def test_units_differing_only_in_neutral_settings_meet(settings: dict[str, Any]) -> None:
+    reference, other = plan_of().keys("run", "f00d"), plan_of(**settings).keys("run", "f00d")
+    assert other.fragment_round(0) == reference.fragment_round(0)
+
+
+@pytest.mark.parametrize("settings", ROUND_SETTINGS)
+def test_units_whose_round_settings_differ_never_meet(settings: dict[str, Any]) -> None:
+    assert plan_of(**settings).keys("run", "f00d").fragment_round(0) != plan_of().keys("run", "f00d").fragment_round(0)
+
+
+def test_the_run_the_model_and_the_fragments_separate_everything() -> None:
+    keys = plan_of().keys("run", "f00d")
+    others = [plan_of().keys("other", "f00d"), plan_of().keys("run", "beef"), plan_of(fragments=2).keys("run", "f00d")]
+    for other in others:
+        assert other.state() != keys.state() and other.fragment_round(0) != keys.fragment_round(0)
+        assert other.consensus_round(0) != keys.consensus_round(0)
+
+
+def test_consensus_rounds_meet_across_lossy_codecs_and_every_prefix_is_a_valid_hivemind_prefix() -> None:
+    fp16, int8 = plan_of(codec="fp16").keys("run", "f00d"), plan_of(codec="int8", outer_lr=0.3).keys("run", "f00d")
+    assert fp16.consensus_round(1) == int8.consensus_round(1) != fp16.consensus_round(0)
+    prefixes = [fp16.state(), fp16.fragment_round(0), fp16.consensus_round(0), int8.fragment_round(0)]
+    assert len(set(prefixes)) == len(prefixes) and not any("." in prefix for prefix in prefixes)
+
+
+# --------------------------------------------------------------------------------------------------- engine
+def engine_of(plan: RoundPlan, groups: list[FakeGroup], unit: str = "a") -> RoundEngine:
+    torch.manual_seed(0)
+    local = [torch.randn(shape) for shape in SHAPES]
+    averagers = [group.averager(template, unit) for group, template in zip(groups, plan.round_templates(local))]
+    return RoundEngine(plan, averagers, local=local)
+
+
+def train(engine: RoundEngine, steps: int) -> None:
+    """``steps`` inner steps that each move θ a little."""
+    for _ in range(steps):
+        with torch.no_grad():
+            for tensor in engine.local:
+                tensor.add_(0.01)
+        engine.record_step(TOKENS, 0.1)
+
+
+def test_the_engine_reports_every_outcome_and_changes_phi_only_on_a_merge() -> None:
+    group = FakeGroup(FaultPlan().fail("a", call=1).refuse("a", call=2))
+    engine = engine_of(plan_of(inner_steps=2, quorum=1), [group])
+    train(engine, 2)
+    (begun,) = engine.begin_due(step_time_s=0.1)
+    assert (begun.kind, begun.status, begun.weight, begun.window_s) == (RoundKind.FRAGMENT, RoundStatus.BEGUN, 20, 1.0)
+    (alone,) = engine.poll()
+    assert alone.status is RoundStatus.ALONE and alone.merged and alone.advanced and alone.outer_round == 1
+    assert alone.useful_tokens == 2 * TOKENS and alone.useful_compute_s == pytest.approx(0.2)
+    phi = [tensor.clone() for tensor in engine.global_params]
+    train(engine, 2)
+    assert engine.begin_due(0.1)[0].status is RoundStatus.BEGUN
+    (failed,) = engine.poll()  # call 1 fails for the whole group
+    assert failed.status is RoundStatus.FAILED and not failed.merged and not failed.advanced
+    assert all(torch.equal(a, b) for a, b in zip(engine.global_params, phi)) and engine.outer_round == 1
+    train(engine, 2)
+    (deferred,) = engine.begin_due(0.1)  # call 2 is refused: still due
+    assert deferred.status is RoundStatus.DEFERRED and engine.fragments[0].steps_since_round == 2
+    assert engine.begin_due(0.1)[0].status is RoundStatus.BEGUN
+    (merged,) = engine.poll()
+    assert merged.status is RoundStatus.ALONE and merged.weight == 4 * TOKENS  # the failed round's tokens carried
+    assert engine.outer_round == 2
+
+
+def test_a_non_finite_average_is_rejected_and_a_non_finite_theta_resets_to_phi() -> None:
+    group = FakeGroup()
+    engine = engine_of(plan_of(inner_steps=1), [group])
+    rogue = group.averager(plan_of().round_templates(engine.local)[0], "rogue")
+    train(engine, 1)
+    engine.begin_due(0.1)
+    poisoned = [torch.full_like(tensor, float("nan")) for tensor in plan_of().round_templates(engine.local)[0]]
+    rogue.begin_round(poisoned, weight=1.0, outer_round=0, window_s=1.0)
+    (rejected,) = engine.poll()
+    assert rejected.status is RoundStatus.REJECTED and rejected.error and engine.outer_round == 0
+    rogue.poll()
+    with torch.no_grad():
+        engine.local[0].view(-1)[0] = float("inf")
+    train(engine, 1)
+    (reset,) = engine.begin_due(0.1)
+    assert reset.status is RoundStatus.RESET and not engine.fragments_in_flight()
+    assert all(torch.equal(theta, phi) for theta, phi in zip(engine.local, engine.global_params))
+
+
+def test_with_two_fragments_the_unit_round_advances_when_both_have_merged() -> None:
+    groups = [FakeGroup(), FakeGroup()]
+    engine = engine_of(plan_of(inner_steps=2, fragments=2, max_in_flight=2), groups)
+    advanced = []
+    for _ in range(4):
+        train(engine, 1)
+        engine.begin_due(0.1)
+        advanced += [(end.fragment, end.advanced) for end in engine.poll()]
+    assert advanced[:2] == [(0, False), (1, True)] and engine.outer_round >= 1
+
+
+def test_the_engine_refuses_averagers_that_do_not_match_its_plan() -> None:
+    plan = plan_of(codec="fp16", consensus_every_rounds=2)
+    local = [torch.zeros(shape) for shape in SHAPES]
+    averagers = [FakeGroup().averager(template) for template in plan.round_templates(local)]
+    with pytest.raises(ValueError, match="consensus"):
+        RoundEngine(plan, averagers, local=local)  # consensus rounds need their own averagers
+
+
+# ------------------------------------------------------------------------------- the schema on a real DHT
+@pytest.fixture
+def two_dhts() -> Iterator[tuple[hivemind.DHT, hivemind.DHT]]:
+    first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    second = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=visible_multiaddrs(first))
+    try:
+        yield first, second
+    finally:
+        stop_dht(second)
+        stop_dht(first)
+
+
+@pytest.mark.swarm
+def test_on_a_real_dht_units_share_state_across_round_settings_but_not_across_fragment_counts(
+    two_dhts: tuple[hivemind.DHT, hivemind.DHT],
+) -> None:
+    """A donor with fp32 proposals serves its state; a joiner with int8 pseudo-gradients, consensus rounds and another
+    outer step downloads it; a joiner that splits the model into another number of fragments finds no donor."""
+    donor_dht, joiner_dht = two_dhts
+    template = [torch.zeros(shape) for shape in SHAPES]
+    donor_plan, joiner_plan = plan_of(), plan_of(codec="int8", consensus_every_rounds=2, outer_lr=0.3, quorum=2)
+    servers = [
+        StateServer(donor_dht, donor_plan.keys("run", "f00d").state(), template),
+        StateServer(joiner_dht, joiner_plan.keys("run", "f00d").state(), template),
+        StateServer(joiner_dht, plan_of(fragments=2).keys("run", "f00d").state(), template, fragments=2),
+    ]
+    try:
+        state = SwarmState([torch.full(shape, 0.5) for shape in SHAPES], [torch.ones(s) for s in SHAPES], [4], 80, 640)
+        servers[0].publish(state)
+        downloaded = None
+        deadline = time.monotonic() + 30
+        while downloaded is None and time.monotonic() < deadline:  # the donor's declaration reaches the DHT
+            downloaded = servers[1].download(timeout_s=5.0)
+        assert downloaded is not None and downloaded.fragment_rounds == [4] and downloaded.inner_step == 80
+        assert all(torch.equal(a, b) for a, b in zip(downloaded.global_params, state.global_params))
+        assert servers[2].download(timeout_s=3.0) is None
+    finally:
+        for server in servers:
+            server.shutdown()
+
+
+@pytest.mark.swarm
+def test_on_a_real_dht_units_meet_only_when_their_round_settings_match(
+    two_dhts: tuple[hivemind.DHT, hivemind.DHT],
+) -> None:
+    """Two units that differ in their outer lr begin rounds at the same time and complete alone; with the same
+    round settings (another matchmaking window) they average together."""
+    first_dht, second_dht = two_dhts
+    template = [torch.zeros(8)]
+
+    def averager(dht: hivemind.DHT, run_id: str, plan: RoundPlan) -> OuterAverager:
+        prefix = plan.keys(run_id, "f00d").fragment_round(0)
+        return OuterAverager(dht, prefix, template, quorum=1, target_group_size=2, allreduce_timeout_s=10)
+
+    def sizes(first: OuterAverager, second: OuterAverager) -> list[int]:
+        for value, member in ((1.0, first), (3.0, second)):
+            assert member.begin_round([torch.full((8,), value)], weight=1.0, outer_round=0, window_s=3.0)
+        outcomes = [member.finish_round(timeout_s=20.0) for member in (first, second)]
+        return [outcome.group_size if outcome is not None else 0 for outcome in outcomes]
+
+    pairs = [
+        (averager(first_dht, "differ", plan_of()), averager(second_dht, "differ", plan_of(outer_lr=0.5))),
+        (averager(first_dht, "match", plan_of()), averager(second_dht, "match", plan_of(window_fraction=0.1))),
+    ]
+    try:
+        assert sizes(*pairs[0]) == [1, 1]
+        assert sizes(*pairs[1]) == [2, 2]
+    finally:
+        for pair in pairs:
+            for member in pair:
+                member.shutdown()
