@@ -79,7 +79,7 @@ def weighted_average(proposals: Sequence[Sequence[torch.Tensor]], weights: Seque
     for other in proposals[1:]:
         _check_same_shapes(proposals[0], other)
     return [
-        sum(weight / total * proposal[index] for proposal, weight in zip(proposals, weights))
+        torch.stack([weight / total * proposal[index] for proposal, weight in zip(proposals, weights)]).sum(dim=0)
         for index in range(len(proposals[0]))
     ]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from pathlib import Path
-from typing import Annotated
+from typing import IO, Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -84,4 +84,8 @@ class GoodputLedger(BaseModel):
     def save(self, path: Path) -> None:
         """Atomically replace ``path`` with this ledger (see :func:`p2p_diloco.checkpoint.atomic_write`)."""
         data = self.model_dump_json(indent=1).encode()
-        atomic_write(path, lambda file: file.write(data))
+
+        def write(file: IO[bytes]) -> None:
+            file.write(data)
+
+        atomic_write(path, write)

@@ -22,6 +22,13 @@ class StepStats:
     sync_seconds: float = 0.0  # time spent in the ``synchronize_gradients`` hook
 
 
+def _gradient(param: torch.Tensor) -> torch.Tensor:
+    """``param``'s gradient, zeros where backward produced none (it is then stored as the gradient)."""
+    if param.grad is None:
+        param.grad = torch.zeros_like(param)
+    return param.grad
+
+
 def lr_factor(step: int, warmup_steps: int, decay_steps: int, floor: float = 0.1) -> float:
     """Linear warm-up to 1, then cosine decay to ``floor`` at ``decay_steps``, then held at ``floor``."""
     if step < warmup_steps:
@@ -73,10 +80,7 @@ class InnerTrainer:
         if synchronize_gradients is None:
             update = math.isfinite(total_loss)
         else:
-            for param in self.params:
-                if param.grad is None:
-                    param.grad = torch.zeros_like(param)
-            gradients = [param.grad for param in self.params]
+            gradients = [_gradient(param) for param in self.params]
             sync_started = time.perf_counter()
             synchronize_gradients(gradients)
             sync_seconds = time.perf_counter() - sync_started

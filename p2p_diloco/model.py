@@ -109,7 +109,7 @@ def load_model(section: ModelSection) -> LoadedModel:
         tokenizer_gguf = None
     tokenizer = _load_tokenizer(tokenizer_source, tokenizer_gguf)
     _check_vocab(model, tokenizer)
-    model = model.to(device=device, dtype=getattr(torch, section.dtype))
+    model = model.to(device=device, dtype=getattr(torch, section.dtype))  # type: ignore[call-arg]  # decorated in transformers
     model.train()
     fingerprint = model_fingerprint(model, len(tokenizer))
     logger.info(
@@ -178,7 +178,9 @@ def _load_tokenizer(source: str, gguf_file: str | None) -> transformers.PreTrain
 
 def _check_vocab(model: transformers.PreTrainedModel, tokenizer: transformers.PreTrainedTokenizerBase) -> None:
     """Every token id of the tokenizer must index the model's input embeddings."""
-    rows = model.get_input_embeddings().num_embeddings
+    weight = model.get_input_embeddings().weight
+    assert isinstance(weight, torch.Tensor), "an input embedding holds its table as a tensor"
+    rows = weight.shape[0]
     if len(tokenizer) > rows:
         raise ModelLoadError(
             f"tokenizer has {len(tokenizer)} tokens but the model's embedding has only {rows} rows "

@@ -92,7 +92,7 @@ class GlooGroup:
     def __init__(self, args: argparse.Namespace):
         rendezvous_timeout = timedelta(seconds=args.rendezvous_timeout_s)
         store = TCPStore(args.store_host, args.store_port, is_master=False, timeout=rendezvous_timeout)
-        options = ProcessGroupGloo._Options()
+        options = ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # torch's private options, no stub
         options._devices = [ProcessGroupGloo.create_device(hostname=args.host)]
         options._timeout = rendezvous_timeout  # bounds the connection of every pair of ranks
         self.group = ProcessGroupGloo(
@@ -106,7 +106,7 @@ class GlooGroup:
         """Replace ``tensors`` in place by their mean over the ranks; ``stop_agreed`` becomes True when any rank
         passed ``stop``. Raises RuntimeError when a peer is gone or the collective times out."""
         flat = torch.cat([tensor.detach().reshape(-1).float() for tensor in tensors] + [torch.tensor([float(stop)])])
-        self.group.allreduce([flat]).wait()
+        self.group.allreduce([flat]).wait()  # type: ignore[attr-defined]  # bound at runtime, no stub
         flat /= self.world_size
         self.stop_agreed = bool(flat[-1] > 0)
         offset = 0

@@ -23,7 +23,7 @@ from typing import Any
 import hivemind
 import torch
 
-from bench.chaos.gang import GangTarget
+from bench.chaos.gang import GangTarget, Mode, Policy
 from bench.chaos.harness import run_schedule
 from bench.chaos.namespaces import Namespaces
 from bench.chaos.network import ChaosNetwork, Loopback
@@ -75,13 +75,14 @@ def _target(method: str, config: ChaosConfig, network: ChaosNetwork, log: Metric
         return SwarmTarget(
             method, config.units, run_dir, network, config.setup, config.budget_s, config.swarm_flags, log=log
         )
-    mode, policy = {
+    modes: dict[str, tuple[Mode, Policy]] = {
         "sync-dp": ("sync-dp", "fixed"),
         "elastic-dp": ("sync-dp", "elastic"),
         "sync-diloco": ("sync-diloco", "fixed"),
         "dp-no-faults": ("sync-dp", "fixed"),
         "diloco-no-faults": ("sync-diloco", "fixed"),
-    }[method]
+    }
+    mode, policy = modes[method]
     return GangTarget(
         method, mode, policy, config.units, run_dir, network, config.setup, config.budget_s, log=log,
         gloo_timeout_s=config.gloo_timeout_s,
@@ -129,6 +130,7 @@ def run_chaos_benchmark(config: ChaosConfig, command: list[str], report_only: bo
                     results.append(run_schedule(_target(method, config, network, log), faults, config.budget_s, log))
             finally:
                 network.close()
+    down_fraction = fraction_with_any_unit_down(schedule, config.budget_s)
     header = {
         "command": " ".join(command),
         "environment": environment(),
@@ -143,9 +145,9 @@ def run_chaos_benchmark(config: ChaosConfig, command: list[str], report_only: bo
             "swarm_flags": list(config.swarm_flags),
         },
         "schedule": [fault.to_dict() for fault in schedule],
-        "fraction_with_a_unit_down": fraction_with_any_unit_down(schedule, config.budget_s),
+        "fraction_with_a_unit_down": down_fraction,
     }
-    notes = _targets_md(results, header["fraction_with_a_unit_down"]) + "\n\n" + command_note(command)
+    notes = _targets_md(results, down_fraction) + "\n\n" + command_note(command)
     markdown = write_report(config.out_dir, results, header, notes_md=notes)
     print(markdown)
     return 0

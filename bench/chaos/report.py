@@ -22,7 +22,8 @@ from bench.chaos.results import MethodResult  # noqa: E402
 def equal_tokens(results: list[MethodResult]) -> int | None:
     """The largest token count that every method's consensus model reached (None if one has no eval)."""
     reached = [max((point.tokens for point in result.evals), default=None) for result in results]
-    return None if not results or None in reached else int(min(reached))  # type: ignore[type-var]
+    counts = [tokens for tokens in reached if tokens is not None]
+    return None if not results or len(counts) < len(reached) else min(counts)
 
 
 def loss_at_tokens(result: MethodResult, tokens: int) -> float | None:

@@ -66,15 +66,12 @@ def poisson_schedule(
     """
     if units < 1 or budget_s <= 0:
         raise ValueError("need units >= 1 and budget_s > 0")
-    kinds: list[tuple[FaultKind, float, float]] = [
-        (kind, 1.0 / mtbf, duration)
-        for kind, mtbf, duration in (
-            ("crash", rates.crash_mtbf_s, rates.recovery_s),
-            ("straggler", rates.straggler_mtbf_s, rates.straggler_s),
-            ("partition", rates.partition_mtbf_s, rates.partition_s),
-        )
-        if mtbf is not None
+    per_kind: list[tuple[FaultKind, float | None, float]] = [
+        ("crash", rates.crash_mtbf_s, rates.recovery_s),
+        ("straggler", rates.straggler_mtbf_s, rates.straggler_s),
+        ("partition", rates.partition_mtbf_s, rates.partition_s),
     ]
+    kinds = [(kind, 1.0 / mtbf, duration) for kind, mtbf, duration in per_kind if mtbf is not None]
     faults: list[Fault] = []
     total_rate = sum(rate for _, rate, _ in kinds)
     for unit in range(units):

@@ -236,11 +236,13 @@ def method_row(
     """One method's numbers (without the comparisons to sync-dp, see :func:`compare`). Bytes per inner step and peak
     rate are the highest over the units; utilisation is given as the minimum and median over the units."""
     utilisations = [unit.span.utilisation for unit in units if unit.span and unit.span.utilisation is not None]
-    timed = target_loss is not None and result.method != QUALITY_REFERENCE
+    timed = target_loss if result.method != QUALITY_REFERENCE else None
     return {
         "method": result.method,
-        "time_to_target_s": time_to_target(result, target_loss) if timed else None,
-        "time_to_target_from_launch_s": time_to_target(result, target_loss, since_first_eval=False) if timed else None,
+        "time_to_target_s": time_to_target(result, timed) if timed is not None else None,
+        "time_to_target_from_launch_s": time_to_target(result, timed, since_first_eval=False)
+        if timed is not None
+        else None,
         "utilisation_min": min(utilisations) if utilisations else None,
         "utilisation_median": statistics.median(utilisations) if utilisations else None,
         "inner_steps": sum(unit.span.inner_steps for unit in units if unit.span),
@@ -276,11 +278,12 @@ def add_deeper_target(rows: Sequence[dict[str, Any]], results: Sequence[MethodRe
     baseline, reference = by_method.get(BASELINE), by_method.get(QUALITY_REFERENCE)
     for row in rows:
         result = by_method[row["method"]]
-        timed = target is not None and result.method != QUALITY_REFERENCE
-        row["time_to_deeper_target_s"] = time_to_target(result, target) if timed else None
+        timed = target if result.method != QUALITY_REFERENCE else None
+        row["time_to_deeper_target_s"] = time_to_target(result, timed) if timed is not None else None
         row["deeper_target_projected"] = False
-        if timed and result is baseline and row["time_to_deeper_target_s"] is None and reference is not None:
-            row["time_to_deeper_target_s"] = projected_time_to_target(result, reference, target)
+        missed = timed is not None and row["time_to_deeper_target_s"] is None
+        if missed and timed is not None and result is baseline and reference is not None:
+            row["time_to_deeper_target_s"] = projected_time_to_target(result, reference, timed)
             row["deeper_target_projected"] = row["time_to_deeper_target_s"] is not None
     base_time = next((row["time_to_deeper_target_s"] for row in rows if row["method"] == BASELINE), None)
     for row in rows:
