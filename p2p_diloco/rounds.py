@@ -72,22 +72,16 @@ FINAL_ROUND_SLACK_S = 1.0  # matchmaking may run this long past the window (aver
 class KeySchema:
     """The DHT prefixes under which units meet (averagers) and share state (state server), in one place.
 
-    ==========================================  ====================================================================
-    prefix                                      who meets or shares under it
-    ==========================================  ====================================================================
-    ``{run}_{model}_p{P}_state``                 the state server: φ, m and P fragment rounds. Units share state when
-                                                 their run id, model fingerprint and number of fragments P match;
-                                                 codec, momentum sync, outer step, consensus, quorum, group size,
-                                                 windows and timeouts do not matter.
-    ``{run}_{model}_p{P}_f{p}_r{digest}``        fragment p's rounds. Units meet when, beyond run, model and P, what
-                                                 a round carries (payload, codec) and the outer step (lr, momentum,
-                                                 Nesterov) match: ``digest`` hashes those. Units of other settings
-                                                 never meet, so they never average incompatible payloads.
-    ``{run}_{model}_p{P}_f{p}_consensus``        fragment p's consensus rounds (fp32 φ_p, lossy codecs): units of
-                                                 any codec and outer step, since φ_p means the same for all of them.
-    ==========================================  ====================================================================
+    * ``{run}_{model}_p{P}_state``, the state server (φ, m and P fragment rounds): units share state when their run
+      id, model fingerprint and number of fragments P match; codec, momentum sync, outer step, consensus rounds,
+      quorum, group size, windows and timeouts do not matter.
+    * ``{run}_{model}_p{P}_f{p}_r{digest}``, fragment p's rounds: units meet when, beyond run, model and P, what a
+      round carries (payload and codec) and the outer step (lr, momentum, Nesterov) match; ``digest`` hashes those.
+      Units of other round settings never meet, so they never average payloads that mean different things.
+    * ``{run}_{model}_p{P}_f{p}_consensus``, fragment p's consensus rounds (fp32 φ_p, lossy codecs only): units of
+      any codec and outer step meet, since φ_p means the same for all of them.
 
-    hivemind forbids '.' in a prefix (its group keys are ``prefix.0b…``), hence the digest instead of the settings.
+    hivemind forbids '.' in a prefix (its group keys are ``prefix.0b…``), hence a digest rather than the values.
     """
 
     run_id: str
@@ -214,6 +208,9 @@ class RoundStatus(enum.Enum):
     REJECTED = "rejected"
 
 
+MERGES = (RoundStatus.MERGED, RoundStatus.ALONE)  # the outcomes that changed φ
+
+
 @dataclass(frozen=True)
 class RoundBegin:
     """A round that was due: ``BEGUN`` (in flight now), ``DEFERRED`` or ``RESET`` (every fragment starts over)."""
@@ -247,7 +244,7 @@ class RoundEnd:
 
     @property
     def merged(self) -> bool:
-        return self.status in (RoundStatus.MERGED, RoundStatus.ALONE)
+        return self.status in MERGES
 
 
 # ----------------------------------------------------------------------------------------------------- engine
@@ -429,7 +426,7 @@ class RoundEngine:
             outcome = averager.finish_round(max(0.0, deadline - time.monotonic()))
             if outcome is not None:
                 ends.append(self._end(rounds, outcome))
-            elif rounds.sent is not None:
+            else:
                 rounds.carry(rounds.sent)
                 rounds.sent = None
         return ends
@@ -438,10 +435,10 @@ class RoundEngine:
         sent, rounds.sent = rounds.sent, None
         assert sent is not None, "an outcome arrived without a round in flight"
         rounds.steps_since_round = 0
-        status = _fragment_status(outcome)
+        status = _status(outcome, check_tags=False)
         if status is RoundStatus.REJECTED:
             logger.error("rejected a non-finite average in outer round %d", rounds.outer_round)
-        if status in (RoundStatus.FAILED, RoundStatus.REJECTED):
+        if status not in MERGES:
             rounds.carry(sent)
             return self._fragment_end(rounds, outcome, sent, status, advanced=False)
         assert outcome.averaged is not None
@@ -470,7 +467,7 @@ class RoundEngine:
 
     def _fragment_end(self, rounds: FragmentRounds, outcome: RoundOutcome, sent: SentRound, status: RoundStatus,
                       advanced: bool) -> RoundEnd:  # fmt: skip
-        merged = status in (RoundStatus.MERGED, RoundStatus.ALONE)
+        merged = status in MERGES
         return RoundEnd(
             kind=RoundKind.FRAGMENT,
             fragment=rounds.fragment.number,
@@ -491,7 +488,7 @@ class RoundEngine:
     def _end_consensus(self, number: int, outcome: RoundOutcome) -> RoundEnd:
         """Add (group mean − sent) to φ_p and θ_p when the round is usable (see the module docstring)."""
         sent = self.consensus_sent.pop(number)
-        status = _consensus_status(outcome)
+        status = _status(outcome, check_tags=True)
         if status is RoundStatus.MERGED:
             assert outcome.averaged is not None
             fragment = self.fragments[number].fragment
@@ -516,17 +513,11 @@ class RoundEngine:
         )
 
 
-def _fragment_status(outcome: RoundOutcome) -> RoundStatus:
+def _status(outcome: RoundOutcome, check_tags: bool) -> RoundStatus:
+    """FAILED without an average; REJECTED for a non-finite one (or, with ``check_tags``, members that averaged
+    different things); else ALONE or MERGED by the group's size."""
     if outcome.averaged is None:
         return RoundStatus.FAILED
-    if not all_finite(outcome.averaged):
-        return RoundStatus.REJECTED
-    return RoundStatus.ALONE if outcome.group_size == 1 else RoundStatus.MERGED
-
-
-def _consensus_status(outcome: RoundOutcome) -> RoundStatus:
-    if outcome.averaged is None:
-        return RoundStatus.FAILED
-    if not outcome.tags_agree or not all_finite(outcome.averaged):
+    if not all_finite(outcome.averaged) or (check_tags and not outcome.tags_agree):
         return RoundStatus.REJECTED
     return RoundStatus.ALONE if outcome.group_size == 1 else RoundStatus.MERGED
