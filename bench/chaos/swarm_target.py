@@ -18,7 +18,7 @@ from bench.chaos.results import EvalPoint, MethodResult, UnitResult
 from bench.events import FaultAction, UnitExit, UnitRestart
 from bench.swarm import Swarm
 from bench.training import TrainingSetup
-from p2p_diloco.events import E, Eval, InnerStep, Join, OuterRound, StateDownload, read_events
+from p2p_diloco.events import Eval, InnerStep, Join, OuterRound, StateDownload, read_events
 from p2p_diloco.goodput import LEDGER_FILE, GoodputLedger
 from p2p_diloco.metrics import MetricsLog
 
@@ -53,7 +53,8 @@ class SwarmTarget:
     def _start_unit(self, unit: int) -> list[int]:
         """Start ``unit`` joining through the bootstrap node and every live unit's address."""
         live = [f"unit{other}" for other in range(self.units) if other != unit]
-        initial_peers = [self.swarm.bootstrap_maddr or "", *(
+        assert self.swarm.bootstrap_maddr is not None, "start() first"
+        initial_peers = [self.swarm.bootstrap_maddr, *(
             maddr for name in live if self.swarm.running(name) and name not in self.swarm.frozen
             for maddr in self.swarm.join_maddrs(name)
         )]  # fmt: skip
@@ -182,13 +183,10 @@ def recovery_notes(run_dir: Path, faults: list[FaultAction]) -> list[str]:
 def _rejoin_note(metrics: Path, restart: FaultAction) -> str:
     """How the unit restarted by ``restart`` rejoined: from its first join, state download and join eval after it."""
 
-    def first(kind: type[E]) -> E | None:
-        return next((event for event in read_events(metrics, kind) if event.time >= restart.time), None)
-
-    join, download = first(Join), first(StateDownload)
-    join_eval = next(
-        (event for event in read_events(metrics, Eval) if event.time >= restart.time and event.reason == "join"), None
-    )
+    after = [event for event in read_events(metrics, Join, StateDownload, Eval) if event.time >= restart.time]
+    join = next((event for event in after if isinstance(event, Join)), None)
+    download = next((event for event in after if isinstance(event, StateDownload)), None)
+    join_eval = next((event for event in after if isinstance(event, Eval) and event.reason == "join"), None)
     if join is None or download is None or join_eval is None:
         return f"unit{restart.unit} restarted at {restart.actual_s:.0f} s: no join with a download"
     download_started = download.time - download.seconds
@@ -242,8 +240,9 @@ def swarm_result(name: str, run_dir: Path, units: int, budget_s: float, started_
             continue
         results.append(UnitResult(unit, ledger.compute_s, ledger.useful_compute_s, ledger.tokens, ledger.useful_tokens))
         metrics = run_dir / f"unit{unit}" / "metrics.jsonl"
-        merged += [(event.time, unit, event.useful_tokens) for event in read_events(metrics, OuterRound)]
-        evals += read_events(metrics, Eval)
+        logged = read_events(metrics, OuterRound, Eval)
+        merged += [(event.time, unit, event.useful_tokens) for event in logged if isinstance(event, OuterRound)]
+        evals += [event for event in logged if isinstance(event, Eval)]
     finals = [
         event.eval_loss
         for event in evals
