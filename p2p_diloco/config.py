@@ -73,6 +73,9 @@ def _aliases(*old_names: str) -> dict[str, Any]:
     return {"aliases": list(old_names)}
 
 
+Schedule = Literal["clock", "steps"]  # when rounds are due (rounds.py, clock.py)
+
+
 class OuterSection(_Section):
     inner_steps: int = Field(20, ge=1, description="H: inner steps between two outer rounds")
     outer_lr: float = Field(0.7, gt=0.0, le=10.0, description="outer SGD learning rate on the pseudo-gradient")
@@ -86,13 +89,21 @@ class OuterSection(_Section):
         json_schema_extra=_aliases("grace_fraction"),
     )  # fmt: skip
     min_window_s: float = Field(
-        1.0, gt=0.0, description="lower bound of the matchmaking window (seconds)",
+        2.0, gt=0.0, description="lower bound of the matchmaking window (seconds)",
         json_schema_extra=_aliases("min_grace_s"),
     )  # fmt: skip
     max_window_s: float = Field(
         120.0, gt=0.0, description="upper bound of the matchmaking window (seconds)",
         json_schema_extra=_aliases("max_grace_s"),
     )  # fmt: skip
+    schedule: Schedule = Field(
+        "steps",
+        description="steps: H of the unit's own steps after its previous round; clock (experimental): rounds at "
+        "boundaries of shared time, every power-of-two seconds nearest H inner steps",
+    )
+    settle_rounds: int = Field(
+        3, ge=0, le=16, description="rounds at exit that only average φ, so that units leaving together agree"
+    )
     allreduce_timeout_s: float = Field(30.0, gt=0.0, description="bound on one all-reduce once a group formed")
     sync_momentum: bool = Field(True, description="average the outer momentum with the parameters (2x bytes)")
     fragments: int = Field(1, ge=1, le=64, description="P: streaming fragments syncing on staggered schedules")
@@ -139,6 +150,7 @@ class NetworkSection(_Section):
 class RunSection(_Section):
     max_steps: int | None = Field(None, ge=1, description="stop after this many inner steps of this peer")
     max_time_s: float | None = Field(None, gt=0.0, description="stop after this many seconds of training")
+    stop_at: float | None = Field(None, gt=0.0, description="stop training at this time (seconds since the epoch)")
     work_dir: str = Field("runs/peer", description="checkpoints, metrics.jsonl and logs of this peer")
     save_dir: str | None = Field(None, description="export the consensus model here (save_pretrained) on exit")
     checkpoint_every_rounds: int = Field(5, ge=1, description="write a local checkpoint every N outer rounds")

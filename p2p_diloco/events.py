@@ -53,6 +53,7 @@ class OuterRoundBegin(Event):
     window_s: float  # the matchmaking window
     scheduled_at: float
     weight: int  # tokens since the fragment's last merged round
+    period_s: float | None = None  # clock schedule: the unit's round period
 
 
 class OuterRound(Event):
@@ -100,15 +101,26 @@ class ConsensusBegin(Event):
 
 
 class ConsensusRound(Event):
-    """A consensus round ended; ``applied`` when its group mean moved φ and θ."""
+    """A consensus round (or, ``kind`` settle, a settle round at exit) ended; ``applied`` when its group mean moved φ
+    and θ."""
 
     event = "consensus_round"
+    kind: Literal["consensus", "settle"] = "consensus"
     fragment: int
     group_size: int
     applied: bool
     member_drift: float
     seconds: float
     error: str | None
+
+
+class ModelProbe(Event):
+    """φ at fixed pseudo-random coordinates (the same on every unit of the model), written whenever φ changed: the
+    relative distance between two units' probes estimates how far apart their models are."""
+
+    event = "model_probe"
+    outer_round: int
+    values: list[float]
 
 
 class Eval(Event):

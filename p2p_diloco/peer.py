@@ -4,9 +4,10 @@ and release everything on exit."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import hivemind
@@ -25,6 +26,8 @@ from p2p_diloco.records import SwarmRecords, record_validators
 from p2p_diloco.rounds import RoundPlan
 from p2p_diloco.state_sync import StateServer
 from p2p_diloco.unit import JoinError, LearningUnit, UnitNetwork
+
+SETTLE_GROUP_SIZE = 256  # the largest target group the configuration allows
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +65,8 @@ def run_peer(config: PeerConfig, stop: threading.Event) -> None:
         consensus_averagers = _averagers(owned, dht, plan, keys.consensus_round, consensus, "fp32")
         state_server = StateServer(dht, keys.state(), trained, fragments=len(plan.fragments))
         owned.callback(state_server.shutdown)
-        network = UnitNetwork(averagers, consensus_averagers, state_server, records, peer_id)
+        settle = functools.partial(_settle_averager, dht, plan, keys.settle())
+        network = UnitNetwork(averagers, consensus_averagers, state_server, records, peer_id, settle)
         install_stop_signals()  # starting a hivemind averager turned Ctrl+C off in this process
         metrics = owned.enter_context(MetricsLog(Path(config.run.work_dir) / "metrics.jsonl"))
         unit = LearningUnit(config, plan, loaded, data, network, metrics)
@@ -74,6 +78,15 @@ def run_peer(config: PeerConfig, stop: threading.Event) -> None:
             unit.run(stop)
         finally:
             unit.finish()
+
+
+def _settle_averager(
+    dht: hivemind.DHT, plan: RoundPlan, prefix: str, template: Sequence[torch.Tensor]
+) -> OuterAverager:
+    """The averager of a unit's settle rounds at exit (rounds.py): fp32, groups as large as hivemind takes, so that
+    every unit leaving at the same boundary meets; the unit shuts it down."""
+    return OuterAverager(dht, prefix, template, quorum=1, target_group_size=SETTLE_GROUP_SIZE,
+                         allreduce_timeout_s=plan.allreduce_timeout_s)  # fmt: skip
 
 
 def _averagers(

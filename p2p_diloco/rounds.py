@@ -9,11 +9,17 @@ it returns typed results, and the learning unit does the I/O they call for. The 
     while training:
         stats = trainer.train_step(batches)
         engine.record_step(stats.tokens, stats.seconds)
-        for end in engine.poll():                    # rounds that ended, already merged into φ, m and θ
-            ...                                      # metrics, goodput; when end.advanced: publish, eval, checkpoint
-        for begin in engine.begin_due(step_time_s):  # rounds that became due
-            ...                                      # RESET: θ was reset to φ, reset the inner optimizer
-    engine.begin_final(step_time_s); engine.drain(plan.final_round_bound_s(step_time_s))
+        for end in engine.poll():                         # rounds that ended, already merged into φ, m and θ
+            ...                                           # metrics, goodput; when end.advanced: publish, eval, ...
+        for begin in engine.begin_due(step_time_s, now):  # rounds that became due (now: the DHT's clock)
+            ...                                           # RESET: θ was reset to φ, reset the inner optimizer
+    engine.begin_final(step_time_s, now); engine.drain(engine.final_round_bound_s(step_time_s))
+    for _ in range(plan.settle_rounds):                   # with the averager of the run's settle key
+        engine.begin_settle(settle_averager, window_s); engine.end_settle(settle_averager.finish_round(...))
+
+When rounds are due: with ``schedule = "clock"`` at the boundaries of shared time of clock.py (every reachable unit
+meets at every boundary), with ``"steps"`` H of the unit's own inner steps after its previous round (fragments
+staggered by H/P steps; units' phases then drift apart with their speeds).
 
 Failure contract (what each outcome does to φ_p, m_p and θ_p of fragment p; see streaming.py for the payloads):
 
@@ -31,6 +37,11 @@ Failure contract (what each outcome does to φ_p, m_p and θ_p of fragment p; se
   agreeing on the fragment returned a finite mean (``MERGED``); otherwise it changes nothing.
 * At exit, :meth:`RoundEngine.drain` waits a bounded time; a round still running is cancelled and carried like a
   failed one (its progress stays in θ and in the checkpoint).
+* A settle round (``SETTLE``, at exit, after the final rounds) averages the whole φ in fp32, with equal weights, among
+  the units leaving at the same boundary, through an averager of its own whose groups are as large as hivemind allows
+  (the settle key of :class:`KeySchema`): a group of two or more adds (mean − sent) to φ and θ, like a consensus
+  round; otherwise nothing changes. Units that leave together thereby leave as one model even when the rounds'
+  groups are smaller than the swarm; m and the round numbers are unchanged.
 """
 
 from __future__ import annotations
@@ -39,6 +50,7 @@ import enum
 import functools
 import hashlib
 import logging
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -46,8 +58,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from p2p_diloco.clock import RoundClock, next_boundary
 from p2p_diloco.compression import Codec, ErrorFeedback, roundtrip
-from p2p_diloco.config import ConfigError, OuterSection
+from p2p_diloco.config import ConfigError, OuterSection, Schedule
 from p2p_diloco.diloco import (
     OuterHyperparams,
     all_finite,
@@ -65,6 +78,7 @@ logger = logging.getLogger(__name__)
 
 Tensors = list[torch.Tensor]
 FINAL_ROUND_SLACK_S = 1.0  # matchmaking may run this long past the window (averaging.py)
+BUSY_SMOOTHING = 0.3
 
 
 # ------------------------------------------------------------------------------------------------------ plan
@@ -80,6 +94,7 @@ class KeySchema:
       Units of other round settings never meet, so they never average payloads that mean different things.
     * ``{run}_{model}_p{P}_f{p}_consensus``, fragment p's consensus rounds (fp32 φ_p, lossy codecs only): units of
       any codec and outer step meet, since φ_p means the same for all of them.
+    * ``{run}_{model}_p{P}_settle``, the settle rounds at exit (fp32 φ, whole): units of any round settings meet.
 
     hivemind forbids '.' in a prefix (its group keys are ``prefix.0b…``), hence a digest rather than the values.
     """
@@ -102,6 +117,9 @@ class KeySchema:
     def consensus_round(self, number: int) -> str:
         return f"{self._base}_f{number}_consensus"
 
+    def settle(self) -> str:
+        return f"{self._base}_settle"
+
 
 @dataclass(frozen=True)
 class RoundPlan:
@@ -115,6 +133,8 @@ class RoundPlan:
     consensus_tolerance: float
     hyper: OuterHyperparams
     inner_steps: int
+    schedule: Schedule
+    settle_rounds: int
     max_in_flight: int
     window_fraction: float
     min_window_s: float
@@ -145,6 +165,8 @@ class RoundPlan:
             consensus_tolerance=outer.consensus_tolerance,
             hyper=OuterHyperparams(outer.outer_lr, outer.outer_momentum, outer.nesterov),
             inner_steps=outer.inner_steps,
+            schedule=outer.schedule,
+            settle_rounds=outer.settle_rounds,
             max_in_flight=outer.max_in_flight,
             window_fraction=outer.window_fraction,
             min_window_s=outer.min_window_s,
@@ -185,15 +207,19 @@ class RoundPlan:
         window = self.window_fraction * self.inner_steps * step_time_s
         return min(self.max_window_s, max(self.min_window_s, window))
 
-    def final_round_bound_s(self, step_time_s: float | None) -> float:
-        """The longest a unit's last rounds may take at exit: the window, matchmaking's slack and the all-reduce."""
-        return self.window_s(step_time_s) + FINAL_ROUND_SLACK_S + self.allreduce_timeout_s
+    def clock(self) -> RoundClock | None:
+        """A new round clock for the ``clock`` schedule (None for ``steps``): the period holds at least two minimum
+        windows, so that a round's matchmaking and all-reduce end before its fragment's next boundary."""
+        if self.schedule != "clock":
+            return None
+        return RoundClock(self.inner_steps, len(self.fragments), self.min_window_s, min_period_s=2 * self.min_window_s)
 
 
 # ---------------------------------------------------------------------------------------------------- results
 class RoundKind(enum.Enum):
     FRAGMENT = "fragment"
     CONSENSUS = "consensus"
+    SETTLE = "settle"
 
 
 class RoundStatus(enum.Enum):
@@ -279,7 +305,13 @@ class RoundEngine:
         self.probe_indices = [consensus_probe_indices(views(self.global_params, f)) for f in plan.fragments]
         self.consensus_due: list[int] = []  # fragments waiting for a consensus round, oldest first
         self.consensus_sent: dict[int, torch.Tensor] = {}  # fragment → payload of its consensus round in flight
+        self.settle_sent: torch.Tensor | None = None  # φ flat, of the settle round in flight
+        self.settle_probe_indices = consensus_probe_indices(self.global_params)
         self.steps = 0  # inner steps recorded (the clock of overlaps)
+        self.clock = plan.clock()
+        self.last_boundary = [-math.inf] * count  # clock schedule: per fragment, the boundary of its last round
+        self.busy_s = 0.0  # clock schedule: how long after its boundary a round kept the unit from its next (EMA)
+        self._ended_since_look: set[int] = set()  # fragments whose round ended since the last begin_due
         self._restart_schedules()
 
     def _fragment_rounds(self, fragment: Fragment, share: float) -> FragmentRounds:
@@ -304,6 +336,11 @@ class RoundEngine:
 
     def fragment_rounds(self) -> list[int]:
         return [rounds.outer_round for rounds in self.fragments]
+
+    def probe(self) -> list[float]:
+        """φ at the first fragment's probe coordinates (those of φ_0): what units compare to measure how far apart
+        their models are."""
+        return consensus_probe(views(self.global_params, self.plan.fragments[0]), self.probe_indices[0])
 
     def load_state(self, global_params: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor],
                    fragment_rounds: Sequence[int]) -> None:  # fmt: skip
@@ -331,34 +368,76 @@ class RoundEngine:
         return set(self.fragments_in_flight()) | {len(self.fragments) + number for number in self.consensus_sent}
 
     # ------------------------------------------------------------------------------------------- begin
-    def begin_due(self, step_time_s: float | None) -> list[RoundBegin]:
-        """Begin the rounds that are due within the in-flight bound: fragment rounds H steps after their last one
-        (staggered by fragment), then the oldest waiting consensus round. After a RESET nothing else begins."""
+    def begin_due(self, step_time_s: float | None, now: float | None = None) -> list[RoundBegin]:
+        """Begin the rounds that are due within the in-flight bound (fragment rounds by the plan's schedule, then the
+        oldest waiting consensus round); ``now`` is the shared clock (default: this machine's). After a RESET nothing
+        else begins."""
+        now = time.time() if now is None else now
         in_flight = self.in_flight()
-        steps = [rounds.steps_since_round for rounds in self.fragments]
-        due = due_fragments(steps, in_flight, self.plan.inner_steps, self.plan.max_in_flight)
+        windows = self._due_windows(step_time_s, now, in_flight)
         results = []
-        for number in due:
-            results.append(self._begin(self.fragments[number], step_time_s))
+        for number, window_s in windows.items():
+            results.append(self._begin(self.fragments[number], window_s))
             if results[-1].status is RoundStatus.RESET:
                 return results
+            if results[-1].status is RoundStatus.BEGUN:
+                self.last_boundary[number] = now + window_s
         ready = [number for number in self.consensus_due if number not in self.consensus_sent]
-        if ready and len(in_flight) + len(due) < self.plan.max_in_flight:
-            results.append(self._begin_consensus(ready[0], step_time_s))
+        if ready and len(in_flight) + len(windows) < self.plan.max_in_flight:
+            results.append(self._begin_consensus(ready[0], self.boundary_window_s(ready[0], step_time_s, now)))
         return results
 
-    def begin_final(self, step_time_s: float | None) -> list[RoundBegin]:
-        """At exit: begin every fragment round with steps to hand over and none in flight, whatever the schedule
-        and the in-flight bound (stops at a RESET: nothing finite to hand over)."""
+    def _due_windows(self, step_time_s: float | None, now: float, in_flight: set[int]) -> dict[int, float]:
+        """The fragment rounds due now, with their matchmaking windows, within the in-flight bound."""
+        if self.clock is None or step_time_s is None:  # the clock needs a step time: H own steps until then
+            steps = [rounds.steps_since_round for rounds in self.fragments]
+            due = due_fragments(steps, in_flight, self.plan.inner_steps, self.plan.max_in_flight)
+            return {number: self.plan.window_s(step_time_s) for number in due}
+        for number in self._ended_since_look:
+            if math.isfinite(self.last_boundary[number]):
+                self.busy_s += BUSY_SMOOTHING * (max(0.0, now - self.last_boundary[number]) - self.busy_s)
+        self._ended_since_look.clear()
+        self.clock.update(step_time_s, self.busy_s)
+        free = self.plan.max_in_flight - len(in_flight)
+        windows: dict[int, float] = {}
+        for rounds in self.fragments:
+            number = rounds.fragment.number
+            if len(windows) >= free or number in in_flight or rounds.steps_since_round == 0:
+                continue
+            window_s = self.clock.due_window(number, now, step_time_s, after=self.last_boundary[number])
+            if window_s is not None:
+                windows[number] = window_s
+        return windows
+
+    def boundary_window_s(self, number: int, step_time_s: float | None, now: float) -> float:
+        """The matchmaking window of a round of fragment ``number`` outside its schedule (consensus, final and settle
+        rounds): until the fragment's next boundary at least a minimum window away (clock schedule), else the plan's
+        window."""
+        if self.clock is None or self.clock.period_s is None:
+            return self.plan.window_s(step_time_s)
+        return max(self.plan.min_window_s, self.clock.boundary(number, now + self.plan.min_window_s) - now)
+
+    def final_round_bound_s(self, step_time_s: float | None) -> float:
+        """The longest a unit's rounds at exit may take: the window (clock schedule: a period and the minimum
+        window), matchmaking's slack and the all-reduce."""
+        period = self.clock.period_s if self.clock is not None else None
+        window_s = self.plan.window_s(step_time_s) if period is None else period + self.plan.min_window_s
+        return window_s + FINAL_ROUND_SLACK_S + self.plan.allreduce_timeout_s
+
+    def begin_final(self, step_time_s: float | None, now: float | None = None) -> list[RoundBegin]:
+        """At exit: begin every fragment round with steps to hand over and none in flight, whatever the in-flight
+        bound, at the fragment's next boundary (clock schedule) so that units leaving together meet (stops at a
+        RESET: nothing finite to hand over)."""
+        now = time.time() if now is None else now
         results = []
         for rounds in self.fragments:
             if rounds.sent is None and rounds.steps_since_round > 0:
-                results.append(self._begin(rounds, step_time_s))
+                results.append(self._begin(rounds, self.boundary_window_s(rounds.fragment.number, step_time_s, now)))
                 if results[-1].status is RoundStatus.RESET:
                     break
         return results
 
-    def _begin(self, rounds: FragmentRounds, step_time_s: float | None) -> RoundBegin:
+    def _begin(self, rounds: FragmentRounds, window_s: float) -> RoundBegin:
         number = rounds.fragment.number
         local_at_send = copies(self.local, rounds.fragment)
         if not all_finite(local_at_send):
@@ -370,7 +449,7 @@ class RoundEngine:
             self._restart_schedules()
             return RoundBegin(RoundKind.FRAGMENT, number, RoundStatus.RESET, rounds.outer_round)
         payload, momentum_proposal = rounds.payload(self.global_params, self.momentum, local_at_send, self.plan.hyper)
-        weight, window_s = max(1, rounds.tokens_since_round), self.plan.window_s(step_time_s)
+        weight = max(1, rounds.tokens_since_round)
         probe = consensus_probe(views(self.global_params, rounds.fragment), self.probe_indices[number])
         tag = f"fragment {number}"
         begun = self.averagers[number].begin_round(
@@ -381,11 +460,11 @@ class RoundEngine:
         rounds.mark_sent(payload, local_at_send, momentum_proposal, self.steps)
         return RoundBegin(RoundKind.FRAGMENT, number, RoundStatus.BEGUN, rounds.outer_round, window_s, weight)
 
-    def _begin_consensus(self, number: int, step_time_s: float | None) -> RoundBegin:
+    def _begin_consensus(self, number: int, window_s: float) -> RoundBegin:
         """Average fragment ``number``'s φ_p in fp32 with whichever units are in the same phase; DEFERRED when its
         averager cannot take the round yet (it stays first in line)."""
         rounds = self.fragments[number]
-        payload, window_s = consensus_payload(self.global_params, rounds.fragment), self.plan.window_s(step_time_s)
+        payload = consensus_payload(self.global_params, rounds.fragment)
         probe = consensus_probe(views(self.global_params, rounds.fragment), self.probe_indices[number])
         tag = f"fragment {number}"
         begun = self.consensus_averagers[number].begin_round(
@@ -396,6 +475,47 @@ class RoundEngine:
         self.consensus_due.remove(number)
         self.consensus_sent[number] = payload
         return RoundBegin(RoundKind.CONSENSUS, number, RoundStatus.BEGUN, rounds.outer_round, window_s)
+
+    def begin_settle(self, averager: Averager, window_s: float) -> bool:
+        """At exit, after the final rounds: hand φ (flat, fp32, weight 1) to ``averager`` for a settle round (see the
+        module docstring); False when it could not take it."""
+        payload = torch.cat([tensor.reshape(-1) for tensor in self.global_params])
+        probe = consensus_probe(self.global_params, self.settle_probe_indices)
+        if not averager.begin_round([payload], weight=1.0, outer_round=self.outer_round, window_s=window_s,
+                                    probe=probe, tag="settle"):  # fmt: skip
+            return False
+        self.settle_sent = payload
+        return True
+
+    def end_settle(self, outcome: RoundOutcome | None) -> RoundEnd:
+        """Apply a settle round's outcome (None: it did not end in time, nothing changes)."""
+        sent, self.settle_sent = self.settle_sent, None
+        assert sent is not None, "a settle outcome arrived without a settle round in flight"
+        if outcome is None:
+            return RoundEnd(RoundKind.SETTLE, 0, RoundStatus.FAILED, self.outer_round, self.outer_round, False, 0, 0.0,
+                            0.0, 0, 0, 0.0, 0, "the settle round did not end in time")  # fmt: skip
+        status = _status(outcome, check_tags=True)
+        if status is RoundStatus.MERGED:
+            assert outcome.averaged is not None
+            shift = outcome.averaged[0] - sent
+            for tensors in (self.global_params, self.local):
+                offset = 0
+                with torch.no_grad():
+                    for tensor in tensors:
+                        piece = shift[offset : offset + tensor.numel()].view_as(tensor)
+                        tensor.add_(piece.to(device=tensor.device, dtype=tensor.dtype))
+                        offset += tensor.numel()
+        return self._consensus_end(0, RoundKind.SETTLE, status, outcome)
+
+    def settle_window_s(self, now: float) -> float:
+        """A settle round's matchmaking window: until the next boundary, at least a minimum window away, of the grid
+        of two minimum windows that every unit shares whatever its period or schedule."""
+        window = self.plan.min_window_s
+        return next_boundary(now + window, 2 * window, 0.0) - now
+
+    def settle_template(self) -> Tensors:
+        """A tensor shaped like a settle round's payload (φ flat)."""
+        return [torch.zeros(sum(tensor.numel() for tensor in self.global_params))]
 
     # --------------------------------------------------------------------------------------------- end
     def poll(self) -> list[RoundEnd]:
@@ -412,9 +532,9 @@ class RoundEngine:
         return ends
 
     def drain(self, timeout_s: float) -> list[RoundEnd]:
-        """At exit, the one call that waits: cancel the consensus rounds in flight (they carry no progress), then
-        wait up to ``timeout_s`` in all for the fragment rounds in flight and merge those that end; the others are
-        cancelled and carried (see the module docstring)."""
+        """At exit, the one call that waits but the settle rounds': cancel the consensus rounds in flight (they carry
+        no progress), then wait up to ``timeout_s`` in all for the fragment rounds in flight and merge those that
+        end; the others are cancelled and carried (see the module docstring)."""
         for number in list(self.consensus_sent):
             self.consensus_averagers[number].finish_round(0.0)
             del self.consensus_sent[number]
@@ -434,6 +554,7 @@ class RoundEngine:
     def _end(self, rounds: FragmentRounds, outcome: RoundOutcome) -> RoundEnd:
         sent, rounds.sent = rounds.sent, None
         assert sent is not None, "an outcome arrived without a round in flight"
+        self._ended_since_look.add(rounds.fragment.number)
         rounds.steps_since_round = 0
         status = _status(outcome, check_tags=False)
         if status is RoundStatus.REJECTED:
@@ -495,8 +616,11 @@ class RoundEngine:
             fix = consensus_correction(outcome.averaged[0], sent, fragment, self.global_params)
             for tensors in (self.global_params, self.local):
                 assign(tensors, fragment, [now + delta for now, delta in zip(copies(tensors, fragment), fix)])
+        return self._consensus_end(number, RoundKind.CONSENSUS, status, outcome)
+
+    def _consensus_end(self, number: int, kind: RoundKind, status: RoundStatus, outcome: RoundOutcome) -> RoundEnd:
         return RoundEnd(
-            kind=RoundKind.CONSENSUS,
+            kind=kind,
             fragment=number,
             status=status,
             outer_round=self.fragments[number].outer_round,

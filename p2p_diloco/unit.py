@@ -22,7 +22,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,7 +40,7 @@ from p2p_diloco.inner import InnerTrainer, StepStats
 from p2p_diloco.metrics import MetricsLog, ProgressBars, Throughput
 from p2p_diloco.model import LoadedModel, export_pretrained
 from p2p_diloco.records import PeerProgress, ProgressRecords
-from p2p_diloco.rounds import RoundBegin, RoundEnd, RoundEngine, RoundKind, RoundPlan, RoundStatus
+from p2p_diloco.rounds import FINAL_ROUND_SLACK_S, RoundBegin, RoundEnd, RoundEngine, RoundKind, RoundPlan, RoundStatus
 from p2p_diloco.state_sync import StateService, SwarmState
 from p2p_diloco.wire import WireCounter
 
@@ -48,6 +48,7 @@ logger = logging.getLogger(__name__)
 
 PROGRESS_EVERY_S = 2.0
 PROGRESS_TTL_S = 30.0
+SETTLED_DRIFT = 1e-6  # members of a settle round this close already agreed: no more settle rounds
 
 
 class JoinError(UserError):
@@ -64,6 +65,7 @@ class UnitNetwork:
     state_server: StateService
     records: ProgressRecords
     peer_id: str
+    settle_averager: Callable[[Sequence[torch.Tensor]], Averager] | None = None  # makes one for a template, at exit
 
 
 class LearningUnit:
@@ -153,18 +155,14 @@ class LearningUnit:
     # ----------------------------------------------------------------------------------------- training
     def run(self, stop: threading.Event) -> None:
         """Train until ``stop`` is set or a max_steps / max_time_s limit is reached."""
-        run = self.config.run
         started = time.monotonic()
-        progress = ProgressBars(run.max_steps, enabled=run.progress)
+        progress = ProgressBars(self.config.run.max_steps, enabled=self.config.run.progress)
         batches = self.data.train_batches()
         self._evaluate("join")
+        self._write_probe()
         last_progress = 0.0
         try:
-            while not stop.is_set():
-                if run.max_steps is not None and self.inner_step >= run.max_steps:
-                    break
-                if run.max_time_s is not None and time.monotonic() - started >= run.max_time_s:
-                    break
+            while not stop.is_set() and not self._limit_reached(started):
                 stats = self.train_step(batches)
                 progress.inner_step(stats.loss, self.throughput.tokens_per_s or 0.0)
                 ended = [end for end in self.poll_round() if end.kind is RoundKind.FRAGMENT]
@@ -176,6 +174,15 @@ class LearningUnit:
                     last_progress = time.monotonic()
         finally:
             progress.close()
+
+    def _limit_reached(self, started: float) -> bool:
+        """Whether a max_steps, max_time_s (since ``started``, monotonic) or stop_at limit is reached."""
+        run = self.config.run
+        return (
+            (run.max_steps is not None and self.inner_step >= run.max_steps)
+            or (run.max_time_s is not None and time.monotonic() - started >= run.max_time_s)
+            or (run.stop_at is not None and time.time() >= run.stop_at)
+        )
 
     def train_step(self, batches: Iterator[torch.Tensor]) -> StepStats:
         """One inner step and its bookkeeping (counters, compute, throughput, the round engine's counters)."""
@@ -202,7 +209,7 @@ class LearningUnit:
 
     def maybe_begin_round(self) -> bool:
         """Begin the rounds that are due (rounds.py); True if any began or θ was reset."""
-        begins = self.engine.begin_due(self.throughput.step_time_s)
+        begins = self.engine.begin_due(self.throughput.step_time_s, get_dht_time())
         for begin in begins:
             self._began(begin)
         return any(begin.status in (RoundStatus.BEGUN, RoundStatus.RESET) for begin in begins)
@@ -215,16 +222,21 @@ class LearningUnit:
             self.metrics.write(events.OuterRoundBegin(
                 fragment=begin.fragment, outer_round=begin.outer_round, inner_step=self.inner_step,
                 window_s=begin.window_s, scheduled_at=time.time() + begin.window_s, weight=begin.weight,
+                period_s=self.engine.clock.period_s if self.engine.clock else None,
             ))  # fmt: skip
-        elif begin.status is RoundStatus.BEGUN:
+        elif begin.status is RoundStatus.BEGUN and begin.kind is RoundKind.CONSENSUS:
             self.metrics.write(events.ConsensusBegin(fragment=begin.fragment, inner_step=self.inner_step))
 
     def _ended(self, end: RoundEnd) -> None:
-        if end.kind is RoundKind.CONSENSUS:
+        if end.kind in (RoundKind.CONSENSUS, RoundKind.SETTLE):
+            applied = end.status is RoundStatus.MERGED
             self.metrics.write(events.ConsensusRound(
-                fragment=end.fragment, group_size=end.group_size, applied=end.status is RoundStatus.MERGED,
-                member_drift=end.member_drift, seconds=end.seconds, error=end.error,
+                kind="settle" if end.kind is RoundKind.SETTLE else "consensus", fragment=end.fragment,
+                group_size=end.group_size, applied=applied, member_drift=end.member_drift, seconds=end.seconds,
+                error=end.error,
             ))  # fmt: skip
+            if applied:
+                self._write_probe()
         elif not end.merged:
             status = "rejected" if end.status is RoundStatus.REJECTED else "failed"
             self.metrics.write(events.OuterRoundFailed(status=status, fragment=end.fragment,
@@ -247,6 +259,7 @@ class LearningUnit:
             useful_compute_s=self.ledger.useful_compute_s, useful_tokens=self.ledger.useful_tokens,
             **(self._wire_fields() if end.advanced else {}),
         ))  # fmt: skip
+        self._write_probe()
         if end.advanced and self.outer_round % self.config.run.eval_every_rounds == 0:
             self._evaluate("outer_round")
         if end.advanced and self.outer_round % self.config.run.checkpoint_every_rounds == 0:
@@ -257,6 +270,9 @@ class LearningUnit:
         with self.trainer.parameters_swapped(self.engine.global_params):
             self.last_eval = self.trainer.evaluate(self.data.eval_batches)
         self.metrics.write(events.Eval(reason=reason, outer_round=self.outer_round, eval_loss=self.last_eval))
+
+    def _write_probe(self) -> None:
+        self.metrics.write(events.ModelProbe(outer_round=self.outer_round, values=self.engine.probe()))
 
     def _publish_state(self) -> None:
         engine = self.engine
@@ -302,18 +318,23 @@ class LearningUnit:
         )
 
     def finish(self) -> None:
-        """Leave cleanly: hand the last steps to the swarm in final rounds (bounded by the plan's final-round bound;
-        with quorum 1 they complete alone if nobody joins; a round that does not end in time is dropped and its
-        progress stays in the checkpoint's local parameters), then final eval, checkpoint and export of the consensus
+        """Leave cleanly: hand the last steps to the swarm in final rounds at the next boundary (bounded by the
+        engine's final-round bound; with quorum 1 a round completes alone if nobody joins; a round that does not end
+        in time is dropped and its progress stays in the checkpoint's local parameters); then settle with the units
+        leaving at the same time (:meth:`_settle`); then final eval, checkpoint and export of the consensus
         parameters."""
-        step_time_s = self.throughput.step_time_s
-        for begin in self.engine.begin_final(step_time_s):
-            self._began(begin)
-        bound_s = self.engine.plan.final_round_bound_s(step_time_s)
-        if self.engine.fragments_in_flight():
-            logger.info("finishing the last outer rounds (at most %.0f s; Ctrl+C again to abort)", bound_s)
-        for end in self.engine.drain(bound_s):
-            self._ended(end)
+        engine, step_time_s = self.engine, self.throughput.step_time_s
+        bound_s = engine.final_round_bound_s(step_time_s)
+        logger.info("finishing the last outer rounds (at most %.0f s each; Ctrl+C again to abort)", bound_s)
+        make_settle = self.network.settle_averager if engine.plan.settle_rounds else None
+        settle_averager = make_settle(engine.settle_template()) if make_settle is not None else None
+        try:
+            self._exit_rounds(engine.begin_final(step_time_s, get_dht_time()), bound_s)
+            if settle_averager is not None:
+                self._settle(settle_averager)
+        finally:
+            if settle_averager is not None:
+                settle_averager.shutdown()
         self._evaluate("final")
         self.save()
         if self.config.run.save_dir is not None:
@@ -321,6 +342,28 @@ class LearningUnit:
                 export_pretrained(self.loaded.model, self.loaded.tokenizer, Path(self.config.run.save_dir))
             logger.info("exported the consensus model to %s", self.config.run.save_dir)
         self._write_stop()
+
+    def _settle(self, averager: Averager) -> None:
+        """Up to ``settle_rounds`` settle rounds (rounds.py) with the units leaving at the same time; stops after one
+        that met nobody or whose members already agreed (their φ within 1e-6)."""
+        engine = self.engine
+        for _ in range(engine.plan.settle_rounds):
+            window_s = engine.settle_window_s(get_dht_time())
+            if not engine.begin_settle(averager, window_s):
+                return
+            end = engine.end_settle(
+                averager.finish_round(window_s + FINAL_ROUND_SLACK_S + engine.plan.allreduce_timeout_s)
+            )
+            self._ended(end)
+            if end.status is not RoundStatus.MERGED or end.member_drift <= SETTLED_DRIFT:
+                return
+
+    def _exit_rounds(self, begins: list[RoundBegin], bound_s: float) -> None:
+        """Report ``begins`` and wait for the rounds in flight (at most ``bound_s``)."""
+        for begin in begins:
+            self._began(begin)
+        for end in self.engine.drain(bound_s):
+            self._ended(end)
 
     def _write_stop(self) -> None:
         now, ledger = time.time(), self.ledger

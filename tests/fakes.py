@@ -217,3 +217,36 @@ class FakeRecords:
 
     def refresh_model_fingerprint(self, fingerprint: str, ttl_s: float = 3600) -> None:
         self.fingerprints.append(fingerprint)
+
+
+class TimedGroup(FakeGroup):
+    """Members meet when they scheduled their rounds for the same moment of the test's clock (within ``tolerance_s``),
+    as units do at a boundary of the clock schedule. Set :attr:`now` before members begin rounds (a round is scheduled
+    at ``now + window_s``); :meth:`advance` ends the rounds scheduled ``tolerance_s`` before it or earlier, each with
+    the members scheduled within ``tolerance_s`` of it, or alone (a group of one averages its own proposal, as with
+    quorum 1)."""
+
+    def __init__(self, tolerance_s: float = 0.5):
+        super().__init__()
+        self.now, self.tolerance_s = 0.0, tolerance_s
+        self._scheduled: dict[FakeAverager, tuple[float, BegunRound]] = {}
+
+    def _join(self, member: FakeAverager, begun: BegunRound) -> None:
+        self._scheduled[member] = (self.now + begun.window_s, begun)
+
+    def _leave(self, member: FakeAverager) -> None:
+        self._scheduled.pop(member, None)
+
+    def advance(self, now: float) -> None:
+        self.now = now
+        while self._scheduled:
+            first = min(at for at, _ in self._scheduled.values())
+            if first + self.tolerance_s > now:
+                return
+            near = self._scheduled.items()
+            together = {member: begun for member, (at, begun) in near if at - first <= self.tolerance_s}
+            for member in together:
+                del self._scheduled[member]
+            self.rounds.append(together)
+            for receiver, own in together.items():
+                receiver._deliver(self._outcome(list(together.values()), own, failed=False))

@@ -31,6 +31,8 @@ NEUTRAL = [
     {"inner_steps": 7},
     {"max_in_flight": 1},
     {"consensus_tolerance": 0.5},
+    {"schedule": "clock"},
+    {"settle_rounds": 0},
 ]
 # Settings that shape a round: units that differ in any of them never meet (but still share state).
 ROUND_SETTINGS = [
@@ -44,7 +46,9 @@ ROUND_SETTINGS = [
 
 
 def plan_of(**outer: Any) -> RoundPlan:
-    return RoundPlan.from_config(OuterSection(**outer), SHAPES)
+    """A plan of ``outer`` settings on the steps schedule unless told (the engine tests count steps; the clock
+    schedule has its own tests)."""
+    return RoundPlan.from_config(OuterSection(**{"schedule": "steps", **outer}), SHAPES)
 
 
 # ------------------------------------------------------------------------------------------------------ plan
@@ -79,7 +83,8 @@ def test_the_matchmaking_window_is_a_clamped_fraction_of_the_period() -> None:
     assert plan.window_s(None) == 1.0  # nothing measured yet
     assert plan.window_s(0.5) == pytest.approx(5.0)
     assert plan.window_s(0.01) == 1.0 and plan.window_s(10.0) == 8.0
-    assert plan.final_round_bound_s(0.5) == pytest.approx(5.0 + 1.0 + plan.allreduce_timeout_s)
+    engine = engine_of(plan, [FakeGroup()])
+    assert engine.final_round_bound_s(0.5) == pytest.approx(5.0 + 1.0 + plan.allreduce_timeout_s)
 
 
 def test_a_fragment_count_the_model_cannot_be_split_into_is_a_config_error() -> None:
@@ -150,7 +155,7 @@ def test_the_engine_reports_every_outcome_and_changes_phi_only_on_a_merge() -> N
     engine = engine_of(plan_of(inner_steps=2, quorum=1), [group])
     train(engine, 2)
     (begun,) = engine.begin_due(step_time_s=0.1)
-    assert (begun.kind, begun.status, begun.weight, begun.window_s) == (RoundKind.FRAGMENT, RoundStatus.BEGUN, 20, 1.0)
+    assert (begun.kind, begun.status, begun.weight, begun.window_s) == (RoundKind.FRAGMENT, RoundStatus.BEGUN, 20, 2.0)
     (alone,) = engine.poll()
     assert alone.status is RoundStatus.ALONE and alone.merged and alone.advanced and alone.outer_round == 1
     assert alone.useful_tokens == 2 * TOKENS and alone.useful_compute_s == pytest.approx(0.2)

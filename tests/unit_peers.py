@@ -60,6 +60,7 @@ def make_config(work_dir: Path, **overrides: Any) -> PeerConfig:
         data__eval_batches=1,
         inner__warmup_steps=0,
         outer__inner_steps=2,
+        outer__schedule="steps",  # these units count steps; the clock schedule's tests set it
         run__work_dir=str(work_dir),
         run__progress=False,
     )

@@ -1,0 +1,89 @@
+"""The swarm clock: when a unit's rounds begin, keyed to shared time (the DHT's clock) rather than to the unit's own
+step count, so that units of different speeds keep meeting (torch-free, no I/O).
+
+Rounds keyed to a unit's own steps (a round H steps after the previous one ended) drift apart: each unit's phase moves
+with its speed, and after a few rounds fewer and fewer units share a matchmaking window (measured: 8 units' mean group
+fell from 5.5 to 2.6 over a 180 s run). Here every round begins at a *boundary* of shared time instead:
+
+* a unit's round period T is the power of two (in seconds) nearest H × its measured inner-step time, with hysteresis,
+  and at least what one round keeps the unit's averager busy (its matchmaking lead, and the time from a boundary
+  until the unit could begin its next round: all-reduce, merge, eval); boundaries of fragment p of P are the times
+  n·T + p·T/P (seconds since the epoch, n an integer).
+* Every unit due at a boundary schedules its all-reduce at that boundary (plus a small random jitter, so that groups
+  of at most ``target_group_size`` members are drawn anew each round rather than by peer id), so every reachable unit
+  meets at every boundary, whatever its phase.
+* Periods are powers of two, so the boundaries of a slower unit (2T, 4T, ...) are boundaries of the faster ones too
+  (with P = 1; with P > 1 the fragment offsets only coincide between units of the same period): units whose speeds
+  differ by more than the hysteresis still meet at every round of the slowest.
+* A unit begins matchmaking ``lead_s`` before its boundary (at least one inner step plus the minimum window, since
+  it looks between steps), never less than the minimum window before it (a boundary too close is left for the next
+  one), and sends whatever steps it made since its last round (weighted by their tokens).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+
+HYSTERESIS = 0.75  # keep the period while H × step time stays within T·2^(±HYSTERESIS)
+JITTER_S = 0.2  # spread of the scheduled times at one boundary (draws the groups anew every round)
+
+
+def power_of_two_period(seconds: float) -> float:
+    """The power of two (2^k seconds, k any integer) nearest ``seconds`` on a log scale. Raises ValueError for a
+    non-positive or non-finite value."""
+    if not math.isfinite(seconds) or seconds <= 0:
+        raise ValueError(f"a period must be positive and finite, got {seconds}")
+    return 2.0 ** round(math.log2(seconds))
+
+
+def next_boundary(now: float, period_s: float, offset_s: float) -> float:
+    """The first time ``n · period_s + offset_s`` (n an integer) strictly after ``now``."""
+    return (math.floor((now - offset_s) / period_s) + 1) * period_s + offset_s
+
+
+@dataclass
+class RoundClock:
+    """The round period of one unit and the boundaries of its fragments' rounds.
+
+    ``min_period_s`` keeps a round's matchmaking and all-reduce inside its period (the period is the power of two at
+    or above it when H steps take less); ``min_window_s`` is the shortest matchmaking window."""
+
+    inner_steps: int
+    fragments: int
+    min_window_s: float
+    min_period_s: float
+    period_s: float | None = None  # None until a step time was measured
+    rng: random.Random = field(default_factory=random.Random, repr=False)
+
+    def update(self, step_time_s: float, busy_s: float = 0.0) -> float:
+        """Adopt the period for a measured inner-step time and the measured time a round keeps the averager busy
+        after its boundary; returns it. The period grows at once when a round no longer fits, and otherwise changes
+        only when H × step time moves more than the hysteresis away from it."""
+        floor = 2.0 ** math.ceil(math.log2(max(self.min_period_s, busy_s + self.lead_s(step_time_s))))
+        wanted = max(self.inner_steps * step_time_s, floor)
+        candidate = max(floor, power_of_two_period(wanted))
+        current = self.period_s
+        if current is None or floor > current or abs(math.log2(wanted / current)) > HYSTERESIS:
+            self.period_s = current = candidate
+        return current
+
+    def lead_s(self, step_time_s: float) -> float:
+        """How long before its boundary a round begins matchmaking."""
+        return self.min_window_s + step_time_s
+
+    def boundary(self, fragment: int, now: float) -> float:
+        """Fragment ``fragment``'s next boundary after ``now``. Raises RuntimeError before :meth:`update`."""
+        if self.period_s is None:
+            raise RuntimeError("the round clock has no period before a step time was measured")
+        return next_boundary(now, self.period_s, self.period_s * fragment / self.fragments)
+
+    def due_window(self, fragment: int, now: float, step_time_s: float, after: float) -> float | None:
+        """The matchmaking window (seconds from ``now``, jitter included) of fragment ``fragment``'s round when it
+        should begin now: its next boundary later than ``after`` (the boundary of its last round) is at most
+        :meth:`lead_s` away, and at least the minimum window. None when it is not due yet."""
+        boundary = self.boundary(fragment, now + self.min_window_s)
+        if boundary <= after or boundary - now > self.lead_s(step_time_s):
+            return None
+        return boundary - now + self.rng.uniform(0.0, JITTER_S)

@@ -1,0 +1,152 @@
+"""The swarm clock (clock.py) and the round engine on the clock schedule and at exit (rounds.py), against fakes."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from fakes import FakeGroup, TimedGroup
+
+from p2p_diloco.clock import RoundClock, next_boundary, power_of_two_period
+from p2p_diloco.config import OuterSection
+from p2p_diloco.rounds import RoundEngine, RoundKind, RoundPlan, RoundStatus
+
+SHAPES = [(8, 4), (4,)]
+TOKENS = 10
+
+
+def clock_of(inner_steps: int = 20, fragments: int = 1) -> RoundClock:
+    return RoundClock(inner_steps, fragments, min_window_s=2.0, min_period_s=4.0)
+
+
+def test_periods_are_the_nearest_power_of_two_and_their_boundaries_nest() -> None:
+    assert [power_of_two_period(s) for s in (0.3, 1.0, 5.0, 6.0, 11.0)] == [0.25, 1.0, 4.0, 8.0, 8.0]
+    with pytest.raises(ValueError):
+        power_of_two_period(0.0)
+    now = 1_000_003.0
+    slow = next_boundary(now, 16.0, 0.0)
+    assert slow % 16 == 0 and slow > now
+    assert slow % 8 == 0 and slow % 4 == 0, "a slower unit's boundaries are boundaries of the faster ones"
+
+
+def test_the_period_follows_the_step_time_with_hysteresis_and_always_fits_a_round() -> None:
+    clock = clock_of()
+    assert clock.update(0.3) == 8.0  # 20 × 0.3 s = 6 s
+    assert clock.update(0.5) == 8.0, "10 s stays within the hysteresis of 8 s"
+    assert clock.update(0.9) == 16.0
+    assert clock.update(0.05) == 4.0, "never below the minimum period"
+    assert clock.update(0.05, busy_s=7.0) == 16.0, "a round busy for 7 s after its boundary needs a longer period"
+
+
+def test_a_round_is_due_within_the_lead_of_its_boundary_and_never_with_less_than_the_minimum_window() -> None:
+    clock = clock_of()
+    clock.update(0.3)  # period 8 s, lead 2.3 s
+    assert clock.due_window(0, now=1000.0 - 3.0, step_time_s=0.3, after=-math.inf) is None  # 3 s before 1000
+    window = clock.due_window(0, now=1000.0 - 2.2, step_time_s=0.3, after=-math.inf)
+    assert window is not None and 2.2 <= window <= 2.2 + 0.2
+    assert clock.due_window(0, now=1000.0 - 1.0, step_time_s=0.3, after=-math.inf) is None, "too close: next one"
+    assert clock.due_window(0, now=1000.0 - 2.2, step_time_s=0.3, after=1000.0) is None, "that boundary's round ran"
+
+
+def test_fragments_are_staggered_over_the_period() -> None:
+    clock = clock_of(fragments=2)
+    clock.update(0.3)
+    assert clock.boundary(0, 1001.0) == 1008.0 and clock.boundary(1, 1001.0) == 1004.0
+
+
+# --------------------------------------------------------------------------------------------------- engine
+def plan_of(**outer: object) -> RoundPlan:
+    return RoundPlan.from_config(OuterSection(**{"schedule": "clock", **outer}), SHAPES)  # type: ignore[arg-type]
+
+
+def engines(count: int, plan: RoundPlan, group: FakeGroup | TimedGroup) -> list[RoundEngine]:
+    result = []
+    for unit in range(count):
+        torch.manual_seed(unit)
+        local = [torch.randn(shape) for shape in SHAPES]
+        averagers = [group.averager(template, f"u{unit}") for template in plan.round_templates(local)]
+        result.append(RoundEngine(plan, averagers, local=local))
+    return result
+
+
+def step(engine: RoundEngine, amount: float) -> None:
+    with torch.no_grad():
+        for tensor in engine.local:
+            tensor.add_(amount)
+    engine.record_step(TOKENS, 0.1)
+
+
+def test_units_of_different_speeds_meet_at_every_boundary_of_the_shared_clock() -> None:
+    """A fast unit (0.1 s steps) and a slow one (0.3 s) on the clock schedule, H = 10: their own steps would put their
+    rounds every 1 and 3 s, and their phases would drift apart. On the clock their periods are 2 s (1 s until the
+    fast one measured that a round keeps it busy for half a second) and 4 s, and once the periods settled the fast
+    one's rounds include every boundary of the slow one, where they meet."""
+    group = TimedGroup()
+    plan = plan_of(inner_steps=10, min_window_s=0.5)
+    fast, slow = engines(2, plan, group)
+    begun: dict[str, list[float]] = {"fast": [], "slow": []}
+    now = 10_000.0
+    for tick in range(1, 601):  # 60 s in ticks of 0.1 s
+        now += 0.1
+        group.advance(now)
+        for name, engine, every, step_time in (("fast", fast, 1, 0.1), ("slow", slow, 3, 0.3)):
+            if tick % every:
+                continue
+            step(engine, 0.01 * (1 + every))
+            engine.poll()
+            for begin in engine.begin_due(step_time, now):
+                if begin.status is RoundStatus.BEGUN:
+                    begun[name].append(round(now + begin.window_s))
+    assert fast.clock is not None and slow.clock is not None
+    assert slow.clock.period_s == 4.0 and fast.clock.period_s < slow.clock.period_s
+    assert fast.clock.period_s == 2.0
+    settled = [boundary for boundary in begun["slow"] if boundary > 10_010]
+    assert len(settled) >= 10 and set(settled) <= set(begun["fast"])
+    together = [r for r in group.rounds if len(r) == 2]
+    assert len(together) >= len(settled) - 1, "each slow round met the fast one (the last may be in flight)"
+
+
+def test_settle_rounds_bring_units_that_leave_together_to_their_mean_phi() -> None:
+    plan = plan_of()
+    units = engines(3, plan, FakeGroup())
+    settle = FakeGroup()
+    averagers = [settle.averager(unit.settle_template(), f"u{index}") for index, unit in enumerate(units)]
+    for offset, unit in enumerate(units):
+        with torch.no_grad():
+            for phi in unit.global_params:
+                phi.add_(offset)  # three different models
+    mean = [torch.stack(tensors).mean(0) for tensors in zip(*(unit.global_params for unit in units))]
+    local_before = [[tensor.clone() for tensor in unit.local] for unit in units]
+    phi_before = [[tensor.clone() for tensor in unit.global_params] for unit in units]
+    for unit, averager in zip(units, averagers):
+        assert unit.begin_settle(averager, window_s=unit.settle_window_s(1000.0))
+    ends = [unit.end_settle(averager.poll()) for unit, averager in zip(units, averagers)]
+    assert all(end.kind is RoundKind.SETTLE and end.status is RoundStatus.MERGED for end in ends)
+    assert ends[0].member_drift > 0.1
+    for index, unit in enumerate(units):
+        assert all(torch.allclose(phi, target, atol=1e-6) for phi, target in zip(unit.global_params, mean))
+        for theta, theta0, phi0, phi in zip(unit.local, local_before[index], phi_before[index], unit.global_params):
+            assert torch.allclose(theta - theta0, phi - phi0, atol=1e-6), "θ moves with φ: local progress is kept"
+        assert unit.outer_round == 0
+
+
+def test_a_settle_round_that_meets_nobody_or_ends_late_changes_nothing() -> None:
+    (unit,) = engines(1, plan_of(), FakeGroup())
+    averager = FakeGroup().averager(unit.settle_template(), "alone")
+    before = [tensor.clone() for tensor in unit.global_params]
+    assert unit.begin_settle(averager, window_s=2.0)
+    end = unit.end_settle(averager.poll())
+    assert end.status is RoundStatus.ALONE and all(torch.equal(a, b) for a, b in zip(unit.global_params, before))
+    other = FakeGroup()
+    first, _second = other.averager(unit.settle_template(), "a"), other.averager(unit.settle_template(), "b")
+    assert unit.begin_settle(first, window_s=2.0)
+    late = unit.end_settle(first.finish_round(0.0))  # the other member never came
+    assert late.status is RoundStatus.FAILED and all(torch.equal(a, b) for a, b in zip(unit.global_params, before))
+
+
+def test_the_settle_grid_is_shared_whatever_the_period() -> None:
+    (unit,) = engines(1, plan_of(min_window_s=2.0), FakeGroup())
+    for now in (1000.0, 1001.5, 1003.9):
+        window = unit.settle_window_s(now)
+        assert window >= 2.0 and (now + window) % 4.0 == pytest.approx(0.0)
