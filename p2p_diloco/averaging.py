@@ -60,6 +60,8 @@ class RoundOutcome:
     member_drift: float = 0.0  # relative distance between members' global parameters before the round
     error: str | None = None
     member_tags: tuple[str, ...] = ()  # every member's ``tag`` (see ``begin_round``)
+    member_periods: tuple[float, ...] = ()  # every member's ``period_s`` (see ``begin_round``)
+    position: int = 0  # this unit's place in the group's order (the same order for every member)
 
     @property
     def tags_agree(self) -> bool:
@@ -80,9 +82,13 @@ class Averager(Protocol):
         window_s: float,
         probe: Sequence[float] = (),
         tag: str = "",
+        period_s: float = 0.0,
+        subgroup: str = "",
     ) -> bool:
-        """Start averaging ``proposal`` with whichever units meet within ``window_s``; False when it cannot be taken
-        now (nothing started). Raises RuntimeError with a round in flight, ValueError for a malformed request."""
+        """Start averaging ``proposal`` with whichever units meet within ``window_s`` under the same ``subgroup`` (a
+        string of bits: hivemind's group key); False when it cannot be taken now (nothing started). ``probe``,
+        ``tag`` and ``period_s`` are shared with the group. Raises RuntimeError with a round in flight, ValueError
+        for a malformed request."""
         ...
 
     def poll(self) -> RoundOutcome | None:
@@ -145,11 +151,15 @@ class OuterAverager:
             request_timeout=request_timeout_s,
             allreduce_timeout=allreduce_timeout_s,
             compression=compression if compression is not None else NoCompression(),
+            # hivemind would serve these tensors to anyone and re-declare them in the DHT every 30 s; the state
+            # server (state_sync.py) is the one that serves a unit's state
+            allow_state_sharing=False,
         )
         self._averager = self._new_averager()
         self._pending: _PendingRound | None = None
         self._last_lock_warning = -math.inf
         self._lock_busy_since: float | None = None
+        self._subgroup_dirty = False  # the averager's group bits may differ from "" (set for a subgroup round)
 
     def begin_round(
         self,
@@ -159,11 +169,16 @@ class OuterAverager:
         window_s: float,
         probe: Sequence[float] = (),
         tag: str = "",
+        period_s: float = 0.0,
+        subgroup: str = "",
     ) -> bool:
         """Start averaging ``proposal`` (weighted by ``weight`` > 0) in the background; returns at once.
 
         ``probe`` (see ``diloco.consensus_probe``) is shared with the group to measure how far apart the
-        members' global parameters were; ``tag`` too, so that members can check they averaged the same thing.
+        members' global parameters were; ``tag`` too, so that members can check they averaged the same thing;
+        ``period_s`` too (the clock schedule's agreement on a period). ``subgroup`` (bits) selects hivemind's group
+        key ``prefix.0b<subgroup>``: only units of the same subgroup meet. hivemind rewrites non-empty group bits
+        after every group it assembles, so they are set again before every round.
 
         Returns False, having started nothing, when the averager process holds its tensors (see
         :meth:`_tensors_free`): the caller tries again later instead of blocking its inner loop. Raises RuntimeError
@@ -178,10 +193,15 @@ class OuterAverager:
         with self._averager.get_tensors() as buffers:
             for buffer, tensor in zip(buffers, proposal):
                 buffer.copy_(tensor)
+        if subgroup or self._subgroup_dirty:
+            self._averager.set_group_bits(subgroup)
+            self._subgroup_dirty = bool(subgroup)
         now = get_dht_time()
+        gather = dict(outer_round=int(outer_round), weight=float(weight), probe=list(probe), tag=str(tag),
+                      period=float(period_s))  # fmt: skip
         control = self._averager.step(
             weight=float(weight),
-            gather=dict(outer_round=int(outer_round), weight=float(weight), probe=list(probe), tag=str(tag)),
+            gather=gather,
             scheduled_time=now + window_s,
             timeout=window_s + 1.0,
             allow_retries=True,
@@ -221,6 +241,7 @@ class OuterAverager:
         self._averager.shutdown()
         self._averager = self._new_averager()
         self._lock_busy_since = None
+        self._subgroup_dirty = False
 
     def poll(self) -> RoundOutcome | None:
         """The outcome of the round in flight once it ended, else None. Never raises for network failures."""
@@ -247,6 +268,8 @@ class OuterAverager:
         total_weight = sum(float(info.get("weight", 0.0)) for info in infos)
         probes = [info["probe"] for info in infos if isinstance(info.get("probe"), list) and info["probe"]]
         same_length = [probe for probe in probes if len(probe) == len(probes[0])] if probes else []
+        members = list(gathered)
+        position = members.index(self._averager.peer_id) if self._averager.peer_id in members else 0
         return RoundOutcome(
             averaged=averaged,
             group_size=len(gathered),
@@ -256,6 +279,8 @@ class OuterAverager:
             finished_at=time.time(),
             member_drift=probe_drift(same_length),
             member_tags=tuple(str(info.get("tag", "")) for info in infos),
+            member_periods=tuple(_number(info.get("period")) for info in infos),
+            position=position,
         )
 
     def _without_group(self, pending: _PendingRound, error: str) -> RoundOutcome:
@@ -307,6 +332,11 @@ def check_round_request(
         raise ValueError("proposal does not match the averaged tensors' shapes")
     if not weight > 0:
         raise ValueError(f"weight must be positive, got {weight}")
+
+
+def _number(value: object) -> float:
+    """A member's gathered number, 0 for anything else (a stranger's gathered values are not trusted)."""
+    return float(value) if isinstance(value, int | float) and math.isfinite(value) and value >= 0 else 0.0
 
 
 def _cancel(control: StepControl) -> None:

@@ -12,9 +12,12 @@ fell from 5.5 to 2.6 over a 180 s run). Here every round begins at a *boundary* 
 * Every unit due at a boundary schedules its all-reduce at that boundary (plus a small random jitter, so that groups
   of at most ``target_group_size`` members are drawn anew each round rather than by peer id), so every reachable unit
   meets at every boundary, whatever its phase.
-* Periods are powers of two, so the boundaries of a slower unit (2T, 4T, ...) are boundaries of the faster ones too
-  (with P = 1; with P > 1 the fragment offsets only coincide between units of the same period): units whose speeds
-  differ by more than the hysteresis still meet at every round of the slowest.
+* One period for the swarm: every round's members share the period each of them wants (its own, from its step time
+  and round latency), and each adopts the largest of them for its following rounds (at most ``MAX_ADOPTED`` times
+  its own, and a power of two). Since units keep meeting, the swarm converges to the period of its slowest unit,
+  and follows it down again when that unit speeds up or leaves, since members share what they want, not what they
+  adopted. Periods are powers of two, so until then the boundaries of a slower unit (2T, 4T, ...) are boundaries of
+  the faster ones too (with P = 1; with P > 1 the fragment offsets only coincide between units of the same period).
 * A unit begins matchmaking ``lead_s`` before its boundary (at least one inner step plus the minimum window, since
   it looks between steps), never less than the minimum window before it (a boundary too close is left for the next
   one), and sends whatever steps it made since its last round (weighted by their tokens).
@@ -24,9 +27,11 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 HYSTERESIS = 0.75  # keep the period while H × step time stays within T·2^(±HYSTERESIS)
+MAX_ADOPTED = 8.0  # a unit follows a period at most this many times its own (a stranger cannot stall it)
 JITTER_S = 0.2  # spread of the scheduled times at one boundary (draws the groups anew every round)
 
 
@@ -54,20 +59,37 @@ class RoundClock:
     fragments: int
     min_window_s: float
     min_period_s: float
-    period_s: float | None = None  # None until a step time was measured
+    rounds_per_period: int = 1  # 2 when a mix stage follows each round half a period later (rounds.py)
+    desired_s: float | None = None  # this unit's own period; None until a step time was measured
+    adopted_s: float = 0.0  # the largest period wanted by the members of its last merged round
     rng: random.Random = field(default_factory=random.Random, repr=False)
+
+    @property
+    def period_s(self) -> float | None:
+        """The period the unit's rounds follow: its own, or the one adopted from its last round if longer."""
+        return None if self.desired_s is None else max(self.desired_s, self.adopted_s)
+
+    def adopt(self, member_periods: Sequence[float]) -> None:
+        """Follow the longest period the members of a merged round want (powers of two, at most MAX_ADOPTED times this
+        unit's own; zeros, from members without a clock, are ignored)."""
+        if self.desired_s is None:
+            return
+        wanted = [power_of_two_period(period) for period in member_periods if period > 0 and math.isfinite(period)]
+        self.adopted_s = min(max(wanted, default=0.0), MAX_ADOPTED * self.desired_s)
 
     def update(self, step_time_s: float, busy_s: float = 0.0) -> float:
         """Adopt the period for a measured inner-step time and the measured time a round keeps the averager busy
         after its boundary; returns it. The period grows at once when a round no longer fits, and otherwise changes
         only when H × step time moves more than the hysteresis away from it."""
-        floor = 2.0 ** math.ceil(math.log2(max(self.min_period_s, busy_s + self.lead_s(step_time_s))))
+        busy = self.rounds_per_period * (busy_s + self.lead_s(step_time_s))
+        floor = 2.0 ** math.ceil(math.log2(max(self.min_period_s, busy)))
         wanted = max(self.inner_steps * step_time_s, floor)
-        candidate = max(floor, power_of_two_period(wanted))
-        current = self.period_s
+        current = self.desired_s
         if current is None or floor > current or abs(math.log2(wanted / current)) > HYSTERESIS:
-            self.period_s = current = candidate
-        return current
+            self.desired_s = max(floor, power_of_two_period(wanted))
+        period = self.period_s
+        assert period is not None
+        return period
 
     def lead_s(self, step_time_s: float) -> float:
         """How long before its boundary a round begins matchmaking."""
@@ -86,4 +108,7 @@ class RoundClock:
         boundary = self.boundary(fragment, now + self.min_window_s)
         if boundary <= after or boundary - now > self.lead_s(step_time_s):
             return None
-        return boundary - now + self.rng.uniform(0.0, JITTER_S)
+        return boundary - now + self.jitter_s()
+
+    def jitter_s(self) -> float:
+        return self.rng.uniform(0.0, JITTER_S)

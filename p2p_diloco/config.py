@@ -102,7 +102,7 @@ class OuterSection(_Section):
         "boundaries of shared time, every power-of-two seconds nearest H inner steps",
     )
     settle_rounds: int = Field(
-        3, ge=0, le=16, description="rounds at exit that only average φ, so that units leaving together agree"
+        4, ge=0, le=16, description="rounds at exit that only average φ, so that units leaving together agree"
     )
     allreduce_timeout_s: float = Field(30.0, gt=0.0, description="bound on one all-reduce once a group formed")
     sync_momentum: bool = Field(True, description="average the outer momentum with the parameters (2x bytes)")

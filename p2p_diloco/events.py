@@ -101,11 +101,11 @@ class ConsensusBegin(Event):
 
 
 class ConsensusRound(Event):
-    """A consensus round (or, ``kind`` settle, a settle round at exit) ended; ``applied`` when its group mean moved φ
-    and θ."""
+    """A consensus round, a mix round (clock schedule) or a settle round (at exit) ended; ``applied`` when its group
+    mean moved φ and θ."""
 
     event = "consensus_round"
-    kind: Literal["consensus", "settle"] = "consensus"
+    kind: Literal["consensus", "settle", "mix"] = "consensus"
     fragment: int
     group_size: int
     applied: bool

@@ -22,8 +22,8 @@ from p2p_diloco.dht import start_dht, stop_dht, visible_multiaddrs
 from p2p_diloco.lifecycle import install_stop_signals
 from p2p_diloco.metrics import MetricsLog
 from p2p_diloco.model import load_model
+from p2p_diloco.plan import RoundPlan
 from p2p_diloco.records import SwarmRecords, record_validators
-from p2p_diloco.rounds import RoundPlan
 from p2p_diloco.state_sync import StateServer
 from p2p_diloco.unit import JoinError, LearningUnit, UnitNetwork
 

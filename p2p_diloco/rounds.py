@@ -1,5 +1,5 @@
-"""The outer round's one home: the plan of a unit's rounds (:class:`RoundPlan`, derived once from ``[outer]``), where
-units meet and share state (:class:`KeySchema`), and the engine that runs the rounds (:class:`RoundEngine`).
+"""The engine that runs a unit's outer rounds (:class:`RoundEngine`) by its plan (plan.py: :class:`RoundPlan`, derived
+once from ``[outer]``, and the key schema of where units meet), and the typed results it returns.
 
 The engine owns φ, the outer momentum m, every fragment's round bookkeeping, the in-flight bound, the consensus queue
 and the matchmaking window. It never does I/O and never waits (but in :meth:`RoundEngine.drain`, bounded, at exit):
@@ -21,6 +21,15 @@ When rounds are due: with ``schedule = "clock"`` at the boundaries of shared tim
 meets at every boundary), with ``"steps"`` H of the unit's own inner steps after its previous round (fragments
 staggered by H/P steps; units' phases then drift apart with their speeds).
 
+The mix stage (clock schedule, fp32 proposals, and more live units than ``target_group_size``: the caller sets
+:attr:`RoundEngine.swarm_size`): a round's groups hold at most ``target_group_size`` members, so a swarm larger than
+that ends a round as several group means. Half a period after each fragment round, a mix round
+averages the fragment's (φ_p, m_p) again, weighted by the first group's total weight, among the units that had the
+same position in their first group (hivemind's group bits: ``subgroup`` = the position in binary). Each mix group
+then holds one member of every first group, so with groups of equal size and at most ``target_group_size`` of them
+(N ≤ target²) every unit ends the period on the exact weighted mean of all proposals: synchronous DiLoCo's φ. With
+unequal groups it is close to it; a unit alone in the first round (position 0) meets the others' first members.
+
 Failure contract (what each outcome does to φ_p, m_p and θ_p of fragment p; see streaming.py for the payloads):
 
 * ``MERGED`` / ``ALONE``: the group's average (alone, with quorum 1: the unit's own payload) becomes φ_p and m_p,
@@ -34,7 +43,8 @@ Failure contract (what each outcome does to φ_p, m_p and θ_p of fragment p; se
 * ``RESET``: θ was non-finite when a round was due: nothing is sent, θ ← φ, every fragment's schedule restarts and the
   caller resets its inner optimizer; the steps since the last merge are lost.
 * A consensus round (lossy codecs) adds (group mean − sent φ_p) to φ_p and θ_p when a group of two or more members
-  agreeing on the fragment returned a finite mean (``MERGED``); otherwise it changes nothing.
+  agreeing on the fragment returned a finite mean (``MERGED``); otherwise it changes nothing. A mix round (``MIX``)
+  does the same with (φ_p, m_p): φ_p and m_p become the mean, θ_p moves by φ_p's change; the round number stays.
 * At exit, :meth:`RoundEngine.drain` waits a bounded time; a round still running is cancelled and carried like a
   failed one (its progress stays in θ and in the checkpoint).
 * A settle round (``SETTLE``, at exit, after the final rounds) averages the whole φ in fp32, with equal weights, among
@@ -48,7 +58,6 @@ from __future__ import annotations
 
 import enum
 import functools
-import hashlib
 import logging
 import math
 import time
@@ -58,17 +67,16 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from p2p_diloco.clock import RoundClock, next_boundary
-from p2p_diloco.compression import Codec, ErrorFeedback, roundtrip
-from p2p_diloco.config import ConfigError, OuterSection, Schedule
+from p2p_diloco.clock import next_boundary
+from p2p_diloco.compression import ErrorFeedback, roundtrip
 from p2p_diloco.diloco import (
-    OuterHyperparams,
     all_finite,
     consensus_probe,
     consensus_probe_indices,
     merge_local_progress,
 )
-from p2p_diloco.fragments import Fragment, assign, copies, due_fragments, partition, views
+from p2p_diloco.fragments import Fragment, assign, copies, due_fragments, views
+from p2p_diloco.plan import FINAL_ROUND_SLACK_S, RoundPlan
 from p2p_diloco.streaming import FragmentRounds, Payload, SentRound, consensus_correction, consensus_payload
 
 if TYPE_CHECKING:
@@ -77,142 +85,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 Tensors = list[torch.Tensor]
-FINAL_ROUND_SLACK_S = 1.0  # matchmaking may run this long past the window (averaging.py)
-BUSY_SMOOTHING = 0.3
-
-
-# ------------------------------------------------------------------------------------------------------ plan
-@dataclass(frozen=True)
-class KeySchema:
-    """The DHT prefixes under which units meet (averagers) and share state (state server), in one place.
-
-    * ``{run}_{model}_p{P}_state``, the state server (φ, m and P fragment rounds): units share state when their run
-      id, model fingerprint and number of fragments P match; codec, momentum sync, outer step, consensus rounds,
-      quorum, group size, windows and timeouts do not matter.
-    * ``{run}_{model}_p{P}_f{p}_r{digest}``, fragment p's rounds: units meet when, beyond run, model and P, what a
-      round carries (payload and codec) and the outer step (lr, momentum, Nesterov) match; ``digest`` hashes those.
-      Units of other round settings never meet, so they never average payloads that mean different things.
-    * ``{run}_{model}_p{P}_f{p}_consensus``, fragment p's consensus rounds (fp32 φ_p, lossy codecs only): units of
-      any codec and outer step meet, since φ_p means the same for all of them.
-    * ``{run}_{model}_p{P}_settle``, the settle rounds at exit (fp32 φ, whole): units of any round settings meet.
-
-    hivemind forbids '.' in a prefix (its group keys are ``prefix.0b…``), hence a digest rather than the values.
-    """
-
-    run_id: str
-    fingerprint: str
-    fragments: int
-    round_digest: str
-
-    @property
-    def _base(self) -> str:
-        return f"{self.run_id}_{self.fingerprint}_p{self.fragments}"
-
-    def state(self) -> str:
-        return f"{self._base}_state"
-
-    def fragment_round(self, number: int) -> str:
-        return f"{self._base}_f{number}_r{self.round_digest}"
-
-    def consensus_round(self, number: int) -> str:
-        return f"{self._base}_f{number}_consensus"
-
-    def settle(self) -> str:
-        return f"{self._base}_settle"
-
-
-@dataclass(frozen=True)
-class RoundPlan:
-    """How a unit's outer rounds are laid out, derived once by :meth:`from_config`: the only reader of ``[outer]``."""
-
-    fragments: tuple[Fragment, ...]
-    payload: Payload
-    codec: Codec
-    error_feedback: bool
-    consensus_every_rounds: int  # 0: no consensus rounds (always 0 for proposal payloads)
-    consensus_tolerance: float
-    hyper: OuterHyperparams
-    inner_steps: int
-    schedule: Schedule
-    settle_rounds: int
-    max_in_flight: int
-    window_fraction: float
-    min_window_s: float
-    max_window_s: float
-    quorum: int
-    target_group_size: int
-    allreduce_timeout_s: float
-
-    @classmethod
-    def from_config(cls, outer: OuterSection, shapes: Sequence[torch.Size | Sequence[int]]) -> RoundPlan:
-        """The plan of a unit whose trained tensors have ``shapes``. Raises ConfigError when the model cannot be
-        split into ``outer.fragments`` fragments."""
-        try:
-            fragments = tuple(partition(shapes, outer.fragments))
-        except ValueError as error:
-            raise ConfigError(f"invalid config outer.fragments (--fragments): {error}") from None
-        if outer.codec != "fp32":
-            payload = Payload.PSEUDO_GRADIENT
-        else:
-            payload = Payload.PROPOSAL_WITH_MOMENTUM if outer.sync_momentum else Payload.PROPOSAL
-        lossy = payload is Payload.PSEUDO_GRADIENT
-        return cls(
-            fragments=fragments,
-            payload=payload,
-            codec=outer.codec,
-            error_feedback=lossy and outer.error_feedback,
-            consensus_every_rounds=outer.consensus_every_rounds if lossy else 0,
-            consensus_tolerance=outer.consensus_tolerance,
-            hyper=OuterHyperparams(outer.outer_lr, outer.outer_momentum, outer.nesterov),
-            inner_steps=outer.inner_steps,
-            schedule=outer.schedule,
-            settle_rounds=outer.settle_rounds,
-            max_in_flight=outer.max_in_flight,
-            window_fraction=outer.window_fraction,
-            min_window_s=outer.min_window_s,
-            max_window_s=outer.max_window_s,
-            quorum=outer.quorum,
-            target_group_size=outer.target_group_size,
-            allreduce_timeout_s=outer.allreduce_timeout_s,
-        )
-
-    @property
-    def consensus(self) -> bool:
-        """Whether consensus rounds run (one more averager per fragment)."""
-        return self.consensus_every_rounds > 0
-
-    def keys(self, run_id: str, fingerprint: str) -> KeySchema:
-        """Where this plan's units meet and share state (see :class:`KeySchema`)."""
-        carried = f"payload={self.payload.value};codec={self.codec}"
-        step = f"lr={self.hyper.lr!r};momentum={self.hyper.momentum!r};nesterov={self.hyper.nesterov}"
-        digest = hashlib.blake2b(f"{carried};{step}".encode(), digest_size=5).hexdigest()
-        return KeySchema(run_id, fingerprint, len(self.fragments), digest)
-
-    def round_templates(self, trained: Sequence[torch.Tensor]) -> list[Tensors]:
-        """Per fragment, tensors shaped like one round's payload (its pieces, once or twice)."""
-        return [views(trained, fragment) * self.payload.copies for fragment in self.fragments]
-
-    def consensus_templates(self) -> list[Tensors]:
-        """Per fragment, a tensor shaped like one consensus round's payload (φ_p flat)."""
-        return [[torch.zeros(fragment.numel)] for fragment in self.fragments]
-
-    def window_s(self, step_time_s: float | None) -> float:
-        """The matchmaking window: how long a round recruits members, ``window_fraction`` × H measured wall times per
-        inner step, clamped to [min_window_s, max_window_s] (the minimum before any step was measured).
-
-        With a window of half a round period, two units meet whatever their phase; units that averaged together end
-        the round together and stay in phase afterwards."""
-        if step_time_s is None:
-            return self.min_window_s
-        window = self.window_fraction * self.inner_steps * step_time_s
-        return min(self.max_window_s, max(self.min_window_s, window))
-
-    def clock(self) -> RoundClock | None:
-        """A new round clock for the ``clock`` schedule (None for ``steps``): the period holds at least two minimum
-        windows, so that a round's matchmaking and all-reduce end before its fragment's next boundary."""
-        if self.schedule != "clock":
-            return None
-        return RoundClock(self.inner_steps, len(self.fragments), self.min_window_s, min_period_s=2 * self.min_window_s)
+BUSY_DECAY = 0.1  # how fast the measured busy time of a round comes down again
 
 
 # ---------------------------------------------------------------------------------------------------- results
@@ -220,6 +93,7 @@ class RoundKind(enum.Enum):
     FRAGMENT = "fragment"
     CONSENSUS = "consensus"
     SETTLE = "settle"
+    MIX = "mix"
 
 
 class RoundStatus(enum.Enum):
@@ -235,6 +109,15 @@ class RoundStatus(enum.Enum):
 
 
 MERGES = (RoundStatus.MERGED, RoundStatus.ALONE)  # the outcomes that changed φ
+
+
+@dataclass(frozen=True)
+class MixDue:
+    """A fragment's mix round to begin: at ``boundary``, in ``subgroup``, carrying ``weight``."""
+
+    boundary: float
+    subgroup: str
+    weight: float
 
 
 @dataclass(frozen=True)
@@ -310,7 +193,10 @@ class RoundEngine:
         self.steps = 0  # inner steps recorded (the clock of overlaps)
         self.clock = plan.clock()
         self.last_boundary = [-math.inf] * count  # clock schedule: per fragment, the boundary of its last round
-        self.busy_s = 0.0  # clock schedule: how long after its boundary a round kept the unit from its next (EMA)
+        self.swarm_size = 1  # live units the caller knows of, itself included (the mix stage runs beyond the target)
+        self.mix_due: dict[int, MixDue] = {}  # fragment → its mix round to begin
+        self.mix_sent: dict[int, Tensors] = {}  # fragment → (φ_p, m_p) of its mix round in flight
+        self.busy_s: float | None = None  # clock schedule: how long after its boundary a round kept the unit
         self._ended_since_look: set[int] = set()  # fragments whose round ended since the last begin_due
         self._restart_schedules()
 
@@ -364,8 +250,10 @@ class RoundEngine:
         return [rounds.fragment.number for rounds in self.fragments if rounds.sent is not None]
 
     def in_flight(self) -> set[int]:
-        """Rounds in flight: fragment numbers p, and P + p for fragment p's consensus round."""
-        return set(self.fragments_in_flight()) | {len(self.fragments) + number for number in self.consensus_sent}
+        """Rounds in flight: fragment numbers p (fragment and mix rounds), and P + p for fragment p's consensus
+        round."""
+        consensus = {len(self.fragments) + number for number in self.consensus_sent}
+        return set(self.fragments_in_flight()) | set(self.mix_sent) | consensus
 
     # ------------------------------------------------------------------------------------------- begin
     def begin_due(self, step_time_s: float | None, now: float | None = None) -> list[RoundBegin]:
@@ -373,41 +261,74 @@ class RoundEngine:
         oldest waiting consensus round); ``now`` is the shared clock (default: this machine's). After a RESET nothing
         else begins."""
         now = time.time() if now is None else now
+        results = self._begin_mixes(step_time_s, now)
         in_flight = self.in_flight()
         windows = self._due_windows(step_time_s, now, in_flight)
-        results = []
-        for number, window_s in windows.items():
+        for number, (window_s, boundary) in windows.items():
             results.append(self._begin(self.fragments[number], window_s))
             if results[-1].status is RoundStatus.RESET:
                 return results
             if results[-1].status is RoundStatus.BEGUN:
-                self.last_boundary[number] = now + window_s
+                self.last_boundary[number] = boundary
         ready = [number for number in self.consensus_due if number not in self.consensus_sent]
         if ready and len(in_flight) + len(windows) < self.plan.max_in_flight:
             results.append(self._begin_consensus(ready[0], self.boundary_window_s(ready[0], step_time_s, now)))
         return results
 
-    def _due_windows(self, step_time_s: float | None, now: float, in_flight: set[int]) -> dict[int, float]:
-        """The fragment rounds due now, with their matchmaking windows, within the in-flight bound."""
+    def _due_windows(
+        self, step_time_s: float | None, now: float, in_flight: set[int]
+    ) -> dict[int, tuple[float, float]]:
+        """The fragment rounds due now, with their matchmaking windows and boundaries, within the in-flight bound."""
         if self.clock is None or step_time_s is None:  # the clock needs a step time: H own steps until then
             steps = [rounds.steps_since_round for rounds in self.fragments]
             due = due_fragments(steps, in_flight, self.plan.inner_steps, self.plan.max_in_flight)
-            return {number: self.plan.window_s(step_time_s) for number in due}
+            window_s = self.plan.window_s(step_time_s)
+            return {number: (window_s, now + window_s) for number in due}
         for number in self._ended_since_look:
             if math.isfinite(self.last_boundary[number]):
-                self.busy_s += BUSY_SMOOTHING * (max(0.0, now - self.last_boundary[number]) - self.busy_s)
+                busy = max(0.0, now - self.last_boundary[number])
+                decayed = busy if self.busy_s is None else self.busy_s + BUSY_DECAY * (busy - self.busy_s)
+                self.busy_s = max(busy, decayed)  # up at once, down slowly: the period does not flap
         self._ended_since_look.clear()
-        self.clock.update(step_time_s, self.busy_s)
+        self.clock.rounds_per_period = 2 if self.mixing else 1
+        self.clock.update(step_time_s, self.busy_s or 0.0)
         free = self.plan.max_in_flight - len(in_flight)
-        windows: dict[int, float] = {}
+        windows: dict[int, tuple[float, float]] = {}
         for rounds in self.fragments:
             number = rounds.fragment.number
             if len(windows) >= free or number in in_flight or rounds.steps_since_round == 0:
                 continue
-            window_s = self.clock.due_window(number, now, step_time_s, after=self.last_boundary[number])
-            if window_s is not None:
-                windows[number] = window_s
+            window = self.clock.due_window(number, now, step_time_s, after=self.last_boundary[number])
+            if window is not None:
+                self.mix_due.pop(number, None)  # a mix not begun by the next round is stale
+                windows[number] = (window, self.clock.boundary(number, now + self.plan.min_window_s))
         return windows
+
+    def _begin_mixes(self, step_time_s: float | None, now: float) -> list[RoundBegin]:
+        """Begin the mix rounds whose boundary is within the lead (those too close to begin are dropped)."""
+        results = []
+        for number, due in list(self.mix_due.items()):
+            window_s = due.boundary - now
+            if self.clock is None or step_time_s is None or window_s < self.plan.min_window_s:
+                del self.mix_due[number]
+            elif number not in self.in_flight() and window_s <= self.clock.lead_s(step_time_s):
+                results.append(self._begin_mix(number, due, window_s + self.clock.jitter_s()))
+        return results
+
+    def _begin_mix(self, number: int, due: MixDue, window_s: float) -> RoundBegin:
+        rounds = self.fragments[number]
+        phi, moment = copies(self.global_params, rounds.fragment), copies(self.momentum, rounds.fragment)
+        payload = phi + (moment if self.plan.payload is Payload.PROPOSAL_WITH_MOMENTUM else [])
+        probe = consensus_probe(views(self.global_params, rounds.fragment), self.probe_indices[number])
+        begun = self.averagers[number].begin_round(
+            payload, weight=due.weight, outer_round=rounds.outer_round, window_s=window_s, probe=probe, tag="mix",
+            subgroup=due.subgroup,
+        )  # fmt: skip
+        if not begun:
+            return RoundBegin(RoundKind.MIX, number, RoundStatus.DEFERRED, rounds.outer_round)
+        del self.mix_due[number]
+        self.mix_sent[number] = payload
+        return RoundBegin(RoundKind.MIX, number, RoundStatus.BEGUN, rounds.outer_round, window_s)
 
     def boundary_window_s(self, number: int, step_time_s: float | None, now: float) -> float:
         """The matchmaking window of a round of fragment ``number`` outside its schedule (consensus, final and settle
@@ -452,9 +373,11 @@ class RoundEngine:
         weight = max(1, rounds.tokens_since_round)
         probe = consensus_probe(views(self.global_params, rounds.fragment), self.probe_indices[number])
         tag = f"fragment {number}"
+        period_s = (self.clock.desired_s or 0.0) if self.clock is not None else 0.0  # shared with the group
         begun = self.averagers[number].begin_round(
-            payload, weight=weight, outer_round=rounds.outer_round, window_s=window_s, probe=probe, tag=tag
-        )
+            payload, weight=weight, outer_round=rounds.outer_round, window_s=window_s, probe=probe, tag=tag,
+            period_s=period_s,
+        )  # fmt: skip
         if not begun:
             return RoundBegin(RoundKind.FRAGMENT, number, RoundStatus.DEFERRED, rounds.outer_round)
         rounds.mark_sent(payload, local_at_send, momentum_proposal, self.steps)
@@ -507,11 +430,11 @@ class RoundEngine:
                         offset += tensor.numel()
         return self._consensus_end(0, RoundKind.SETTLE, status, outcome)
 
-    def settle_window_s(self, now: float) -> float:
-        """A settle round's matchmaking window: until the next boundary, at least a minimum window away, of the grid
-        of two minimum windows that every unit shares whatever its period or schedule."""
+    def settle_window_s(self, now: float, not_before: float = 0.0) -> float:
+        """A settle round's matchmaking window: until the first boundary at least a minimum window after ``now`` and
+        ``not_before``, of the grid of two minimum windows that every unit shares whatever its period or schedule."""
         window = self.plan.min_window_s
-        return next_boundary(now + window, 2 * window, 0.0) - now
+        return next_boundary(max(now, not_before) + window, 2 * window, 0.0) - now
 
     def settle_template(self) -> Tensors:
         """A tensor shaped like a settle round's payload (φ flat)."""
@@ -523,7 +446,9 @@ class RoundEngine:
         ends = []
         for rounds, averager in zip(self.fragments, self.averagers):
             outcome = averager.poll()
-            if outcome is not None:
+            if outcome is not None and rounds.fragment.number in self.mix_sent:
+                ends.append(self._end_mix(rounds, outcome))
+            elif outcome is not None:
                 ends.append(self._end(rounds, outcome))
         for number, averager in enumerate(self.consensus_averagers):
             outcome = averager.poll()
@@ -538,6 +463,10 @@ class RoundEngine:
         for number in list(self.consensus_sent):
             self.consensus_averagers[number].finish_round(0.0)
             del self.consensus_sent[number]
+        for number in list(self.mix_sent):
+            self.averagers[number].finish_round(0.0)
+            del self.mix_sent[number]
+        self.mix_due.clear()
         deadline = time.monotonic() + timeout_s
         ends = []
         for rounds, averager in zip(self.fragments, self.averagers):
@@ -567,6 +496,7 @@ class RoundEngine:
         self._merge(rounds, outcome.averaged, sent)
         rounds.outer_round = max(rounds.outer_round, outcome.max_member_round) + 1
         self._maybe_queue_consensus(rounds, outcome.member_drift)
+        self._after_clock_round(rounds.fragment.number, outcome)
         return self._fragment_end(rounds, outcome, sent, status, advanced=self.outer_round > unit_round_before)
 
     def _merge(self, rounds: FragmentRounds, averaged: Tensors, sent: SentRound) -> None:
@@ -576,6 +506,39 @@ class RoundEngine:
         assign(self.momentum, rounds.fragment, new_momentum)
         merged_local = merge_local_progress(new_params, copies(self.local, rounds.fragment), sent.local_at_send)
         assign(self.local, rounds.fragment, merged_local)
+
+    @property
+    def mixing(self) -> bool:
+        """Whether mix rounds follow the fragment rounds now (see the module docstring)."""
+        return self.plan.mixes and self.swarm_size > self.plan.target_group_size
+
+    def _after_clock_round(self, number: int, outcome: RoundOutcome) -> None:
+        """Clock schedule: follow the members' period, and queue the fragment's mix round half a period after the
+        round's boundary, in the subgroup of this unit's position."""
+        clock = self.clock
+        if clock is None or clock.period_s is None:
+            return
+        clock.adopt(outcome.member_periods)
+        if self.mixing and math.isfinite(self.last_boundary[number]):
+            half = clock.period_s / 2
+            self.mix_due[number] = MixDue(self.last_boundary[number] + half, format(outcome.position, "b"),
+                                          max(outcome.total_weight, 1.0))  # fmt: skip
+
+    def _end_mix(self, rounds: FragmentRounds, outcome: RoundOutcome) -> RoundEnd:
+        """(φ_p, m_p) ← the mix group's mean when it is usable; θ_p moves by φ_p's change."""
+        number = rounds.fragment.number
+        sent = self.mix_sent.pop(number)
+        status = _status(outcome, check_tags=True)
+        if status is RoundStatus.MERGED:
+            assert outcome.averaged is not None
+            count = len(rounds.fragment.pieces)
+            phi, moment = outcome.averaged[:count], outcome.averaged[count:]
+            moved = [now + (new - old) for now, new, old in zip(copies(self.local, rounds.fragment), phi, sent)]
+            assign(self.global_params, rounds.fragment, phi)
+            assign(self.local, rounds.fragment, moved)
+            if moment:
+                assign(self.momentum, rounds.fragment, moment)
+        return self._consensus_end(number, RoundKind.MIX, status, outcome)
 
     def _maybe_queue_consensus(self, rounds: FragmentRounds, member_drift: float) -> None:
         """Queue a consensus round of the fragment every N of its rounds and after one whose members' φ_p differed by

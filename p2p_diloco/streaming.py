@@ -1,6 +1,6 @@
 """One streaming fragment's outer rounds: what a unit sends for it and how the average comes back (torch only).
 
-Two kinds of payload (:class:`Payload`, chosen by the round plan from the codec, rounds.py):
+Two kinds of payload (:class:`Payload`, chosen by the round plan from the codec, plan.py):
 
 * with ``fp32``, the *proposal*: the outer step the unit would take alone, ``(φ'_p, m'_p) = OuterOpt(φ_p, m_p, Δ_p)``
   (m'_p only with ``sync_momentum``). Members average proposals, which also averages their φ_p and m_p: every round

@@ -39,16 +39,20 @@ from p2p_diloco.goodput import LEDGER_FILE, GoodputLedger
 from p2p_diloco.inner import InnerTrainer, StepStats
 from p2p_diloco.metrics import MetricsLog, ProgressBars, Throughput
 from p2p_diloco.model import LoadedModel, export_pretrained
+from p2p_diloco.plan import FINAL_ROUND_SLACK_S, RoundPlan
 from p2p_diloco.records import PeerProgress, ProgressRecords
-from p2p_diloco.rounds import FINAL_ROUND_SLACK_S, RoundBegin, RoundEnd, RoundEngine, RoundKind, RoundPlan, RoundStatus
+from p2p_diloco.rounds import RoundBegin, RoundEnd, RoundEngine, RoundKind, RoundStatus
 from p2p_diloco.state_sync import StateService, SwarmState
 from p2p_diloco.wire import WireCounter
 
 logger = logging.getLogger(__name__)
 
-PROGRESS_EVERY_S = 2.0
+# Every unit's progress record is a DHT store that several DHT nodes handle: with 16 units on one box, publishing every
+# 2 s kept each unit's DHT process at about 0.04 cores (the largest part of its background CPU).
+PROGRESS_EVERY_S = 10.0
 PROGRESS_TTL_S = 30.0
-SETTLED_DRIFT = 1e-6  # members of a settle round this close already agreed: no more settle rounds
+CENSUS_EVERY_S = 10.0  # how often the unit counts the live units' progress records (the round engine's swarm size)
+SETTLED_DRIFT = 1e-6  # every live unit in a settle round, this close already: no more settle rounds
 
 
 class JoinError(UserError):
@@ -160,7 +164,7 @@ class LearningUnit:
         batches = self.data.train_batches()
         self._evaluate("join")
         self._write_probe()
-        last_progress = 0.0
+        last_progress = last_census = 0.0
         try:
             while not stop.is_set() and not self._limit_reached(started):
                 stats = self.train_step(batches)
@@ -172,6 +176,9 @@ class LearningUnit:
                 if time.monotonic() - last_progress >= PROGRESS_EVERY_S:
                     self._publish_progress()
                     last_progress = time.monotonic()
+                if time.monotonic() - last_census >= CENSUS_EVERY_S:
+                    self.engine.swarm_size = max(1, len(self.network.records.read_progress()))
+                    last_census = time.monotonic()
         finally:
             progress.close()
 
@@ -228,10 +235,10 @@ class LearningUnit:
             self.metrics.write(events.ConsensusBegin(fragment=begin.fragment, inner_step=self.inner_step))
 
     def _ended(self, end: RoundEnd) -> None:
-        if end.kind in (RoundKind.CONSENSUS, RoundKind.SETTLE):
+        if end.kind in (RoundKind.CONSENSUS, RoundKind.SETTLE, RoundKind.MIX):
             applied = end.status is RoundStatus.MERGED
             self.metrics.write(events.ConsensusRound(
-                kind="settle" if end.kind is RoundKind.SETTLE else "consensus", fragment=end.fragment,
+                kind=end.kind.value, fragment=end.fragment,
                 group_size=end.group_size, applied=applied, member_drift=end.member_drift, seconds=end.seconds,
                 error=end.error,
             ))  # fmt: skip
@@ -328,10 +335,12 @@ class LearningUnit:
         logger.info("finishing the last outer rounds (at most %.0f s each; Ctrl+C again to abort)", bound_s)
         make_settle = self.network.settle_averager if engine.plan.settle_rounds else None
         settle_averager = make_settle(engine.settle_template()) if make_settle is not None else None
+        now = get_dht_time()
+        final_boundary = now + engine.boundary_window_s(0, step_time_s, now)  # the same for every unit leaving now
         try:
-            self._exit_rounds(engine.begin_final(step_time_s, get_dht_time()), bound_s)
+            self._exit_rounds(engine.begin_final(step_time_s, now), bound_s)
             if settle_averager is not None:
-                self._settle(settle_averager)
+                self._settle(settle_averager, not_before=final_boundary)
         finally:
             if settle_averager is not None:
                 settle_averager.shutdown()
@@ -343,19 +352,24 @@ class LearningUnit:
             logger.info("exported the consensus model to %s", self.config.run.save_dir)
         self._write_stop()
 
-    def _settle(self, averager: Averager) -> None:
-        """Up to ``settle_rounds`` settle rounds (rounds.py) with the units leaving at the same time; stops after one
-        that met nobody or whose members already agreed (their φ within 1e-6)."""
-        engine = self.engine
+    def _settle(self, averager: Averager, not_before: float) -> None:
+        """Up to ``settle_rounds`` settle rounds (rounds.py) with the units leaving at the same time, the first after
+        ``not_before`` (the boundary of the final rounds, whether this unit had one in flight or began one). Units
+        whose final rounds end at different times may settle among themselves first, and a contended matchmaking may
+        leave a unit out of a round, so the rounds go on until one held every live unit (the census) with their φ
+        already within SETTLED_DRIFT, or two in a row met nobody."""
+        engine, alone = self.engine, 0
         for _ in range(engine.plan.settle_rounds):
-            window_s = engine.settle_window_s(get_dht_time())
+            window_s = engine.settle_window_s(get_dht_time(), not_before)
             if not engine.begin_settle(averager, window_s):
                 return
             end = engine.end_settle(
                 averager.finish_round(window_s + FINAL_ROUND_SLACK_S + engine.plan.allreduce_timeout_s)
             )
             self._ended(end)
-            if end.status is not RoundStatus.MERGED or end.member_drift <= SETTLED_DRIFT:
+            alone = 0 if end.status is RoundStatus.MERGED else alone + 1
+            everyone = end.group_size >= engine.swarm_size and end.member_drift <= SETTLED_DRIFT
+            if alone == 2 or everyone:
                 return
 
     def _exit_rounds(self, begins: list[RoundBegin], bound_s: float) -> None:

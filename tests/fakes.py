@@ -38,6 +38,8 @@ class BegunRound:
     started_at: float
     tag: str = ""
     failing: bool = False  # the group's FaultPlan fails this round
+    period_s: float = 0.0
+    subgroup: str = ""
 
 
 @dataclass
@@ -105,6 +107,8 @@ class FakeGroup:
             finished_at=time.time(),
             member_drift=probe_drift([begun.probe for begun in begun_rounds if begun.probe]),
             member_tags=tuple(begun.tag for begun in begun_rounds),
+            member_periods=tuple(begun.period_s for begun in begun_rounds),
+            position=next(index for index, begun in enumerate(begun_rounds) if begun is own),
         )
 
 
@@ -138,15 +142,17 @@ class FakeAverager:
         window_s: float,
         probe: Sequence[float] = (),
         tag: str = "",
+        period_s: float = 0.0,
+        subgroup: str = "",
     ) -> bool:
         check_round_request(self._in_flight, self.shapes, proposal, weight)
         call, self.calls = self.calls, self.calls + 1
         if (self.unit, call) in self.group.faults.refusals:
             return False
         failing = (self.unit, call) in self.group.faults.failures
-        begun = BegunRound(
-            clone_all(proposal), float(weight), int(outer_round), window_s, list(probe), time.time(), tag, failing
-        )
+        copied = clone_all(proposal)
+        begun = BegunRound(copied, float(weight), int(outer_round), window_s, list(probe), time.time(), tag, failing,
+                           period_s, subgroup)  # fmt: skip
         self.begun.append(begun)
         self._in_flight = True
         self.group._join(self, begun)
@@ -220,15 +226,16 @@ class FakeRecords:
 
 
 class TimedGroup(FakeGroup):
-    """Members meet when they scheduled their rounds for the same moment of the test's clock (within ``tolerance_s``),
-    as units do at a boundary of the clock schedule. Set :attr:`now` before members begin rounds (a round is scheduled
-    at ``now + window_s``); :meth:`advance` ends the rounds scheduled ``tolerance_s`` before it or earlier, each with
-    the members scheduled within ``tolerance_s`` of it, or alone (a group of one averages its own proposal, as with
-    quorum 1)."""
+    """Members meet when they scheduled their rounds for the same moment of the test's clock (within ``tolerance_s``)
+    and in the same subgroup, as units do at a boundary of the clock schedule. Set :attr:`now` before members begin
+    rounds (a round is scheduled at ``now + window_s``); :meth:`advance` ends the rounds scheduled ``tolerance_s``
+    before it or earlier, each with the members scheduled within ``tolerance_s`` of it, or alone (a group of one
+    averages its own proposal, as with quorum 1); at most ``target_size`` members per group, earliest scheduled
+    first."""
 
-    def __init__(self, tolerance_s: float = 0.5):
+    def __init__(self, tolerance_s: float = 0.5, target_size: int | None = None):
         super().__init__()
-        self.now, self.tolerance_s = 0.0, tolerance_s
+        self.now, self.tolerance_s, self.target_size = 0.0, tolerance_s, target_size
         self._scheduled: dict[FakeAverager, tuple[float, BegunRound]] = {}
 
     def _join(self, member: FakeAverager, begun: BegunRound) -> None:
@@ -243,8 +250,11 @@ class TimedGroup(FakeGroup):
             first = min(at for at, _ in self._scheduled.values())
             if first + self.tolerance_s > now:
                 return
+            leader = next(begun for at, begun in self._scheduled.values() if at == first)
             near = self._scheduled.items()
-            together = {member: begun for member, (at, begun) in near if at - first <= self.tolerance_s}
+            near_in_time = sorted((at, order, member) for order, (member, (at, begun)) in enumerate(near)
+                                  if at - first <= self.tolerance_s and begun.subgroup == leader.subgroup)  # fmt: skip
+            together = {member: self._scheduled[member][1] for _, _, member in near_in_time[: self.target_size]}
             for member in together:
                 del self._scheduled[member]
             self.rounds.append(together)

@@ -10,7 +10,8 @@ from fakes import FakeGroup, TimedGroup
 
 from p2p_diloco.clock import RoundClock, next_boundary, power_of_two_period
 from p2p_diloco.config import OuterSection
-from p2p_diloco.rounds import RoundEngine, RoundKind, RoundPlan, RoundStatus
+from p2p_diloco.plan import RoundPlan
+from p2p_diloco.rounds import RoundEngine, RoundKind, RoundStatus
 
 SHAPES = [(8, 4), (4,)]
 TOKENS = 10
@@ -49,6 +50,17 @@ def test_a_round_is_due_within_the_lead_of_its_boundary_and_never_with_less_than
     assert clock.due_window(0, now=1000.0 - 2.2, step_time_s=0.3, after=1000.0) is None, "that boundary's round ran"
 
 
+def test_a_unit_follows_the_longest_period_its_group_wants_within_bounds() -> None:
+    clock = clock_of()
+    clock.update(0.3)  # wants 8 s
+    clock.adopt([8.0, 0.0, 30.0])  # 30 s counts as 32 (a power of two); 0: a member without a clock
+    assert clock.period_s == 32.0 and clock.desired_s == 8.0
+    clock.adopt([8.0, 1e9])
+    assert clock.period_s == 64.0, "never more than 8 times its own period"
+    clock.adopt([4.0])
+    assert clock.period_s == 8.0, "a shorter period wanted by everyone brings it back to its own"
+
+
 def test_fragments_are_staggered_over_the_period() -> None:
     clock = clock_of(fragments=2)
     clock.update(0.3)
@@ -79,9 +91,8 @@ def step(engine: RoundEngine, amount: float) -> None:
 
 def test_units_of_different_speeds_meet_at_every_boundary_of_the_shared_clock() -> None:
     """A fast unit (0.1 s steps) and a slow one (0.3 s) on the clock schedule, H = 10: their own steps would put their
-    rounds every 1 and 3 s, and their phases would drift apart. On the clock their periods are 2 s (1 s until the
-    fast one measured that a round keeps it busy for half a second) and 4 s, and once the periods settled the fast
-    one's rounds include every boundary of the slow one, where they meet."""
+    rounds every 1 and 3 s, and their phases would drift apart. On the clock the fast one follows the slow one's
+    period (4 s) once they met, and from then on they meet at every boundary and hold the same φ."""
     group = TimedGroup()
     plan = plan_of(inner_steps=10, min_window_s=0.5)
     fast, slow = engines(2, plan, group)
@@ -96,15 +107,16 @@ def test_units_of_different_speeds_meet_at_every_boundary_of_the_shared_clock() 
             step(engine, 0.01 * (1 + every))
             engine.poll()
             for begin in engine.begin_due(step_time, now):
-                if begin.status is RoundStatus.BEGUN:
+                if begin.status is RoundStatus.BEGUN and begin.kind is RoundKind.FRAGMENT:
                     begun[name].append(round(now + begin.window_s))
     assert fast.clock is not None and slow.clock is not None
-    assert slow.clock.period_s == 4.0 and fast.clock.period_s < slow.clock.period_s
-    assert fast.clock.period_s == 2.0
+    assert slow.clock.period_s == fast.clock.period_s == 4.0
+    assert not any(b.tag == "mix" for r in group.rounds for b in r.values()), "two units fit in one group: no mix"
     settled = [boundary for boundary in begun["slow"] if boundary > 10_010]
     assert len(settled) >= 10 and set(settled) <= set(begun["fast"])
-    together = [r for r in group.rounds if len(r) == 2]
+    together = [r for r in group.rounds if len(r) == 2 and all(b.tag != "mix" for b in r.values())]
     assert len(together) >= len(settled) - 1, "each slow round met the fast one (the last may be in flight)"
+    assert all(torch.equal(a, b) for a, b in zip(fast.global_params, slow.global_params))
 
 
 def test_settle_rounds_bring_units_that_leave_together_to_their_mean_phi() -> None:
@@ -150,3 +162,37 @@ def test_the_settle_grid_is_shared_whatever_the_period() -> None:
     for now in (1000.0, 1001.5, 1003.9):
         window = unit.settle_window_s(now)
         assert window >= 2.0 and (now + window) % 4.0 == pytest.approx(0.0)
+    early, late = unit.settle_window_s(1000.0, not_before=1010.0), unit.settle_window_s(1009.0, not_before=1010.0)
+    assert 1000.0 + early == 1009.0 + late == 1016.0, "units that drained at different times settle together"
+
+
+def test_the_mix_stage_brings_groups_smaller_than_the_swarm_to_the_exact_weighted_mean() -> None:
+    """Four units in groups of at most two: after a fragment round they hold two group means; half a period later the
+    mix round pairs the first members of both groups and the second members of both, weighted by their groups'
+    tokens, so all four hold the weighted mean of the four proposals: synchronous DiLoCo's φ."""
+    group = TimedGroup(target_size=2)
+    plan = plan_of(inner_steps=10, min_window_s=0.5, target_group_size=2)
+    units = engines(4, plan, group)
+    for engine in units:
+        engine.swarm_size = 4  # more live units than the target group: the mix stage runs
+    now, mixed = 10_000.0, []
+    while len(mixed) < 4 and now < 10_030.0:
+        now += 0.1
+        group.advance(now)
+        for index, engine in enumerate(units):
+            engine.record_step(TOKENS * (index + 1), 0.1)  # unequal weights
+            for end in engine.poll():
+                mixed += [end] if end.kind is RoundKind.MIX else []
+            engine.begin_due(0.1, now)
+    assert [end.status for end in mixed] == [RoundStatus.MERGED] * 4 and {end.group_size for end in mixed} == {2}
+    assert all(engine.clock is not None and engine.clock.rounds_per_period == 2 for engine in units)
+    mixes = [index for index, r in enumerate(group.rounds) if any(b.tag == "mix" for b in r.values())]
+    first = group.rounds[mixes[0] - 2 : mixes[0]]  # the two groups of the fragment round before the mix
+    begun = [b for r in first for b in r.values()]
+    assert len(begun) == 4 and all(b.tag != "mix" for b in begun)
+    total = sum(b.weight for b in begun)
+    expected = [sum(b.weight * b.proposal[i] for b in begun) / total for i in range(len(begun[0].proposal))]
+    count = len(SHAPES)
+    for engine in units:
+        assert all(torch.allclose(phi, want, atol=1e-5) for phi, want in zip(engine.global_params, expected[:count]))
+        assert all(torch.allclose(m, want, atol=1e-5) for m, want in zip(engine.momentum, expected[count:]))

@@ -15,7 +15,8 @@ from fakes import FakeGroup, FaultPlan
 from p2p_diloco.averaging import OuterAverager
 from p2p_diloco.config import ConfigError, OuterSection
 from p2p_diloco.dht import stop_dht, visible_multiaddrs
-from p2p_diloco.rounds import RoundEngine, RoundKind, RoundPlan, RoundStatus
+from p2p_diloco.plan import RoundPlan
+from p2p_diloco.rounds import RoundEngine, RoundKind, RoundStatus
 from p2p_diloco.state_sync import StateServer, SwarmState
 from p2p_diloco.streaming import Payload
 

@@ -233,6 +233,17 @@ def test_run_begins_a_round_every_h_steps(make_peer: PeerFactory) -> None:
     assert a.records.progress["a"].inner_step >= 1
 
 
+def test_the_unit_counts_the_live_units_and_stops_at_its_wall_clock_time(make_peer: PeerFactory) -> None:
+    a = make_peer("a", FakeGroup(), run__max_steps=1, run__stop_at=time.time() + 3600)
+    for other in ("b", "c"):
+        a.records.publish_progress(progress(other, 0, a.unit.loaded.fingerprint))
+    a.unit.run(threading.Event())
+    assert a.unit.engine.swarm_size == 3 and a.unit.inner_step == 1  # b, c and its own record
+    past = make_peer("past", FakeGroup(), run__stop_at=time.time() - 1)
+    past.unit.run(threading.Event())
+    assert past.unit.inner_step == 0, "a stop time already past: no training"
+
+
 # -------------------------------------------------------------------------------------------------- join
 def test_join_adopts_the_swarm_state_of_a_later_round(make_peer: PeerFactory) -> None:
     template = make_peer("template", FakeGroup()).unit

@@ -18,8 +18,8 @@ from p2p_diloco.data import load_text_data, shard_seed
 from p2p_diloco.events import E, read_events
 from p2p_diloco.metrics import MetricsLog
 from p2p_diloco.model import load_model
+from p2p_diloco.plan import RoundPlan
 from p2p_diloco.presets import CORPUS, TINY_MODEL
-from p2p_diloco.rounds import RoundPlan
 from p2p_diloco.state_sync import SwarmState
 from p2p_diloco.unit import LearningUnit, UnitNetwork
 
