@@ -19,7 +19,9 @@ rest of its tree.
 from __future__ import annotations
 
 import itertools
+import math
 import re
+import shutil
 import statistics
 import time
 from collections import Counter
@@ -34,7 +36,17 @@ import torch
 from bench.chaos import faults
 from bench.swarm import Swarm
 from p2p_diloco.checkpoint import load_checkpoint
-from p2p_diloco.events import ConsensusRound, Eval, InnerStep, Join, ModelProbe, OuterRound, Stop, read_events
+from p2p_diloco.events import (
+    ConsensusRound,
+    Eval,
+    InnerStep,
+    Join,
+    ModelProbe,
+    OuterRound,
+    OuterRoundBegin,
+    Stop,
+    read_events,
+)
 
 VARIANTS: dict[str, tuple[str, ...]] = {
     "steps": ("--schedule", "steps", "--settle-rounds", "0"),  # today's behaviour
@@ -69,6 +81,7 @@ def run_swarm(spec: RunSpec, root: Path, duration_s: float, flags: Sequence[str]
     """Run one swarm under ``root / spec.name`` and return what only the running swarm can tell (times, exit codes,
     costs); :func:`measure_run` reads the rest from its files. Raises AssertionError when a unit fails to join."""
     run_dir = root / spec.name
+    shutil.rmtree(run_dir, ignore_errors=True)  # a fresh swarm: no checkpoint, log or key of an earlier run
     unit_flags = ["--target-group-size", str(spec.target_group), *VARIANTS[spec.variant], *flags]
     swarm = Swarm(run_dir, run_id=spec.name, unit_flags=unit_flags)
     names = [f"unit{index}" for index in range(spec.units)]
@@ -134,7 +147,14 @@ def relative_distance(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def pairwise(vectors: Sequence[torch.Tensor]) -> list[float]:
-    return [relative_distance(a, b) for a, b in itertools.combinations(vectors, 2)]
+    """‖a − b‖ / max(‖a‖, ‖b‖) for every pair."""
+    if len(vectors) < 2:
+        return []
+    stacked = torch.stack(list(vectors)).double()
+    norms = stacked.norm(dim=1)
+    rows, cols = torch.triu_indices(len(vectors), len(vectors), offset=1)
+    distances = torch.cdist(stacked, stacked)[rows, cols] / torch.maximum(norms[rows], norms[cols]).clamp_min(1e-30)
+    return distances.tolist()
 
 
 def clusters(vectors: Sequence[torch.Tensor], threshold: float = CLUSTER_DISTANCE) -> list[int]:
@@ -234,7 +254,37 @@ def measure_run(run_dir: Path, raw: dict[str, Any]) -> dict[str, Any]:
         "unit_cost": {key: statistics.median(cost[key] for cost in costs)
                       for key in ("processes", "threads", "pss_mib", "main_cores", "background_cores")},
         "timeline": [{"t": p["t"], "max": p["max"], "clusters": p["clusters"]} for p in points],
+        "timings": measured_timings(run_dir, start, stop),
     }  # fmt: skip
+
+
+def measured_timings(run_dir: Path, start: float, stop: float) -> dict[str, float]:
+    """What the simulator (bench/simulate.py) takes from a measured run between ``start`` and ``stop`` (unix times):
+    the median seconds per inner step, the log-normal spread of the units' step times, the all-reduce time after the
+    scheduled time (groups of two, and per extra member) and the eval pause after a merged round."""
+    step_times, latencies, evals = [], [], []
+    for log in sorted(run_dir.glob("unit*/metrics.jsonl")):
+        marks = [m for m in read_events(log, InnerStep) if start <= m.time <= stop]
+        if len(marks) >= 2:
+            step_times.append((marks[-1].time - marks[0].time) / (marks[-1].step - marks[0].step))
+        begins = {b.time: b for b in read_events(log, OuterRoundBegin)}
+        rounds = [r for r in read_events(log, OuterRound) if start <= r.time <= stop]
+        for merged in rounds:
+            begin = max((t for t in begins if t <= merged.time), default=None)
+            if begin is not None and merged.group_size > 1:
+                latencies.append((merged.group_size, merged.time - begins[begin].scheduled_at))
+        eval_times = [e.time for e in read_events(log, Eval) if e.reason == "outer_round" and start <= e.time <= stop]
+        evals += [min((t - r.time for t in eval_times if t >= r.time), default=0.0) for r in rounds]
+    pairs = [seconds for size, seconds in latencies if size == 2] or [s for _, s in latencies]
+    slope = statistics.median([(s - statistics.median(pairs)) / (k - 2) for k, s in latencies if k > 2] or [0.0])
+    logs = [math.log(t) for t in step_times]
+    return {
+        "step_time_s": statistics.median(step_times),
+        "step_spread": statistics.pstdev(logs) if len(logs) > 1 else 0.0,
+        "latency_s": max(0.1, statistics.median(pairs)),
+        "latency_per_member_s": max(0.0, slope),
+        "eval_s": statistics.median(evals) if evals else 0.0,
+    }
 
 
 def _final_phi(unit_dir: Path) -> torch.Tensor | None:

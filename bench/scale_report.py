@@ -59,10 +59,12 @@ def throughput_ratios(results: Sequence[dict[str, Any]]) -> list[str]:
     return lines
 
 
-def markdown(results: Sequence[dict[str, Any]], command: str, environment: str) -> str:
+def markdown(results: Sequence[dict[str, Any]], environment: str) -> str:
+    commands = sorted({result.get("command", "") for result in results} - {""})
     lines = [
         "# Consensus at swarm scale (tiny model, 127.0.0.1)", "",
-        f"Reproduce: `{command}`", "", environment, "",
+        "Reproduce (each run records the command that made it):", "", *(f"    {command}" for command in commands), "",
+        environment, "",
         "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS),
         *("| " + " | ".join(row(result)) + " |" for result in results), "",
         "Distances are ‖φa − φb‖ / max(‖φa‖, ‖φb‖) between two units: during the run from their φ probes (1,024 fixed "

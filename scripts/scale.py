@@ -50,11 +50,11 @@ def main() -> int:
     for spec in specs:
         print(f"running {spec.name} ({args.duration_s:.0f} s of training)", flush=True)
         raw = run_swarm(spec, runs, args.duration_s)
-        result = measure_run(runs / spec.name, raw)
+        result = {**measure_run(runs / spec.name, raw), "command": command}
         results = [r for r in results if r["name"] != result["name"]] + [result]
         results.sort(key=lambda r: (r["units"], -r["target_group"], r["variant"]))
         results_path.write_text(json.dumps({"command": command, "environment": environment, "runs": results}) + "\n")
-        (args.out / "scale.md").write_text(markdown(results, command, environment))
+        (args.out / "scale.md").write_text(markdown(results, environment))
         plot(results, args.out / "scale.png")
         if not args.keep_runs:
             shutil.rmtree(runs / spec.name, ignore_errors=True)
