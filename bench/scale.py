@@ -141,13 +141,8 @@ def cpu_split(start: dict[int, tuple[float, bool]], end: dict[int, tuple[float, 
 
 
 # ---------------------------------------------------------------------------------------------------- measuring
-def relative_distance(a: torch.Tensor, b: torch.Tensor) -> float:
-    scale = max(float(a.norm()), float(b.norm()), 1e-30)
-    return float((a - b).norm()) / scale
-
-
 def pairwise(vectors: Sequence[torch.Tensor]) -> list[float]:
-    """‖a − b‖ / max(‖a‖, ‖b‖) for every pair."""
+    """‖a − b‖ / max(‖a‖, ‖b‖) for every pair, in the order of ``itertools.combinations(vectors, 2)``."""
     if len(vectors) < 2:
         return []
     stacked = torch.stack(list(vectors)).double()
@@ -157,19 +152,20 @@ def pairwise(vectors: Sequence[torch.Tensor]) -> list[float]:
     return distances.tolist()
 
 
-def clusters(vectors: Sequence[torch.Tensor], threshold: float = CLUSTER_DISTANCE) -> list[int]:
-    """Sizes of the groups of units linked by pairwise distances within ``threshold`` (largest first)."""
-    parent = list(range(len(vectors)))
+def clusters(count: int, distances: Sequence[float], threshold: float = CLUSTER_DISTANCE) -> list[int]:
+    """Sizes of the groups of ``count`` units linked by pairwise ``distances`` (as :func:`pairwise` returns them)
+    within ``threshold``, largest first."""
+    parent = list(range(count))
 
     def root(index: int) -> int:
         while parent[index] != index:
             index = parent[index]
         return index
 
-    for (i, a), (j, b) in itertools.combinations(enumerate(vectors), 2):
-        if relative_distance(a, b) <= threshold:
+    for (i, j), distance in zip(itertools.combinations(range(count), 2), distances):
+        if distance <= threshold:
             parent[root(i)] = root(j)
-    return sorted(Counter(root(index) for index in range(len(vectors))).values(), reverse=True)
+    return sorted(Counter(root(index) for index in range(count)).values(), reverse=True)
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -189,7 +185,7 @@ def timeline(probes: dict[str, list[ModelProbe]], start: float, end: float) -> l
         vectors = [torch.tensor(p.values, dtype=torch.float64) for p in latest if p is not None]
         distances = pairwise(vectors)
         points.append({"t": t - start, "max": max(distances, default=0.0), "distances": distances,
-                       "clusters": clusters(vectors)})  # fmt: skip
+                       "clusters": clusters(len(vectors), distances)})  # fmt: skip
         t += TIMELINE_STEP_S
     return points
 
@@ -217,6 +213,7 @@ def measure_run(run_dir: Path, raw: dict[str, Any]) -> dict[str, Any]:
     during = [d for point in points if point["t"] + start >= settled for d in point["distances"]]
     finals = [_final_phi(run_dir / name) for name in names]
     final_vectors = [vector for vector in finals if vector is not None]
+    final_distances = pairwise(final_vectors)
     finals_evals = [e.eval_loss for name in names for e in read_events(logs[name], Eval)[-1:] if e.reason == "final"]
     evals: list[float] = [loss for loss in finals_evals if loss is not None]
     stops = {name: read_events(logs[name], Stop) for name in names}
@@ -229,7 +226,7 @@ def measure_run(run_dir: Path, raw: dict[str, Any]) -> dict[str, Any]:
     costs = raw["costs"].values()
     settles = [c for name in names for c in read_events(logs[name], ConsensusRound) if c.kind == "settle"]
     return {
-        "name": raw["spec"]["variant"] + f"-n{len(names)}-g{raw['spec']['target_group']}",
+        "name": RunSpec(**raw["spec"]).name,
         **raw["spec"],
         "train_window_s": window,
         "group_sizes": dict(sorted(group_sizes.items())),
@@ -238,8 +235,8 @@ def measure_run(run_dir: Path, raw: dict[str, Any]) -> dict[str, Any]:
                          "share_above_1e-3": sum(d > 1e-3 for d in drifts) / len(drifts) if drifts else None},
         "distance_during": {"p50": percentile(during, 0.5), "p90": percentile(during, 0.9), "from_s": settled - start},
         "one_model_share": sum(len(p["clusters"]) == 1 for p in points) / len(points) if points else None,
-        "final_clusters": clusters(final_vectors),
-        "final_max_distance": max(pairwise(final_vectors), default=0.0),
+        "final_clusters": clusters(len(final_vectors), final_distances),
+        "final_max_distance": max(final_distances, default=0.0),
         "final_eval": {"mean": statistics.fmean(evals) if evals else None,
                        "spread": max(evals) - min(evals) if evals else None,
                        "relative_spread": (max(evals) - min(evals)) / statistics.fmean(evals) if evals else None},
