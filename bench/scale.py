@@ -148,7 +148,9 @@ def pairwise(vectors: Sequence[torch.Tensor]) -> list[float]:
     stacked = torch.stack(list(vectors)).double()
     norms = stacked.norm(dim=1)
     rows, cols = torch.triu_indices(len(vectors), len(vectors), offset=1)
-    distances = torch.cdist(stacked, stacked)[rows, cols] / torch.maximum(norms[rows], norms[cols]).clamp_min(1e-30)
+    # the direct difference, not the matrix-product form, which loses distances below ~1e-8 of the norms
+    exact = torch.cdist(stacked, stacked, compute_mode="donot_use_mm_for_euclid_dist")
+    distances = exact[rows, cols] / torch.maximum(norms[rows], norms[cols]).clamp_min(1e-30)
     return distances.tolist()
 
 
