@@ -51,7 +51,6 @@ logger = logging.getLogger(__name__)
 # 2 s kept each unit's DHT process at about 0.04 cores (the largest part of its background CPU).
 PROGRESS_EVERY_S = 10.0
 PROGRESS_TTL_S = 30.0
-CENSUS_EVERY_S = 10.0  # how often the unit counts the live units' progress records (the round engine's swarm size)
 SETTLED_DRIFT = 1e-6  # every live unit in a settle round, this close already: no more settle rounds
 
 
@@ -164,7 +163,7 @@ class LearningUnit:
         batches = self.data.train_batches()
         self._evaluate("join")
         self._write_probe()
-        last_progress = last_census = 0.0
+        last_progress = 0.0
         try:
             while not stop.is_set() and not self._limit_reached(started):
                 stats = self.train_step(batches)
@@ -175,10 +174,8 @@ class LearningUnit:
                 self.maybe_begin_round()
                 if time.monotonic() - last_progress >= PROGRESS_EVERY_S:
                     self._publish_progress()
+                    self.engine.swarm_size = max(1, len(self.network.records.read_progress()))  # the census
                     last_progress = time.monotonic()
-                if time.monotonic() - last_census >= CENSUS_EVERY_S:
-                    self.engine.swarm_size = max(1, len(self.network.records.read_progress()))
-                    last_census = time.monotonic()
         finally:
             progress.close()
 
