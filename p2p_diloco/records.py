@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import logging
 import math
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Protocol
 
 import hivemind
@@ -89,7 +92,57 @@ class ProgressRecords(Protocol):
 
     def read_progress(self) -> dict[str, PeerProgress]: ...
 
+    def read_progress_soon(self) -> PendingProgress: ...
+
     def refresh_model_fingerprint(self, fingerprint: str, ttl_s: float = 3600) -> None: ...
+
+
+class PendingProgress:
+    """A read of the progress records that may not have finished: :meth:`poll` never blocks.
+
+    ``found`` is the DHT get's future, whose value ``records`` turns into the records (by default
+    :func:`latest_progress`); a read that failed, or is not done ``DHT_TIMEOUT_S`` after it began, counts as an
+    empty one (with a warning), like ``read_progress``.
+    """
+
+    def __init__(
+        self, found: Future, key: str, records: Callable[[Any], dict[str, PeerProgress]] | None = None
+    ) -> None:
+        self._found, self._key, self._began = found, key, time.monotonic()
+        self._records = records or latest_progress
+
+    def poll(self) -> dict[str, PeerProgress] | None:
+        """The unexpired, well-formed records by peer id once the read is over, else None."""
+        if not self._found.done():
+            if time.monotonic() - self._began < DHT_TIMEOUT_S:
+                return None
+            logger.warning("dht get failed key=%s error=no answer in %.0f s", self._key, DHT_TIMEOUT_S)
+            return {}
+        try:
+            return self._records(self._found.result())
+        except Exception as error:
+            logger.warning("dht get failed key=%s error=%s", self._key, error or type(error).__name__)
+            return {}
+
+
+def latest_progress(found: hivemind.utils.ValueWithExpiration | None) -> dict[str, PeerProgress]:
+    """The unexpired, well-formed progress records of a DHT get's value, by peer id (the freshest one if a peer id
+    appears twice); malformed entries are dropped (logged at debug level)."""
+    if found is None or not isinstance(found.value, dict):
+        return {}
+    now = get_dht_time()
+    latest: dict[str, PeerProgress] = {}
+    for subkey, item in found.value.items():
+        try:
+            progress = PeerProgress.parse_obj(item.value)
+        except (pydantic.ValidationError, TypeError) as error:
+            logger.debug("record dropped subkey=%r error=%s", subkey[:32], error)
+            continue
+        if item.expiration_time > now and (
+            progress.peer_id not in latest or progress.last_seen > latest[progress.peer_id].last_seen
+        ):
+            latest[progress.peer_id] = progress
+    return latest
 
 
 class SwarmRecords:
@@ -119,24 +172,18 @@ class SwarmRecords:
     def read_progress(self) -> dict[str, PeerProgress]:
         """Unexpired, well-formed progress records by peer id (the freshest one if a peer id appears twice).
 
-        Returns an empty dict, with a warning, when the DHT cannot be read.
+        Blocks at most ``DHT_TIMEOUT_S``; returns an empty dict, with a warning, when the DHT cannot be read.
         """
-        found = self._get(self.progress_key)
-        if found is None or not isinstance(found.value, dict):
-            return {}
-        now = get_dht_time()
-        latest: dict[str, PeerProgress] = {}
-        for subkey, item in found.value.items():
-            try:
-                progress = PeerProgress.parse_obj(item.value)
-            except (pydantic.ValidationError, TypeError) as error:
-                logger.debug("record dropped key=%s subkey=%r error=%s", self.progress_key, subkey[:32], error)
-                continue
-            if item.expiration_time > now and (
-                progress.peer_id not in latest or progress.last_seen > latest[progress.peer_id].last_seen
-            ):
-                latest[progress.peer_id] = progress
-        return latest
+        return latest_progress(self._get(self.progress_key))
+
+    def read_progress_soon(self) -> PendingProgress:
+        """Start reading the progress records and return at once (a training loop polls the read)."""
+        found: Future = Future()
+        try:
+            found = self.dht.get(self.progress_key, latest=True, return_future=True)
+        except Exception as error:  # reported by the read's poll, like any failed get
+            found.set_exception(error)
+        return PendingProgress(found, self.progress_key)
 
     def claim_model_fingerprint(self, fingerprint: str, ttl_s: float = 3600) -> str:
         """Return the swarm's model fingerprint: the one already published if any, else ``fingerprint`` (stored).

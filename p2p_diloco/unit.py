@@ -40,7 +40,7 @@ from p2p_diloco.inner import InnerTrainer, StepStats
 from p2p_diloco.metrics import MetricsLog, ProgressBars, Throughput
 from p2p_diloco.model import LoadedModel, export_pretrained
 from p2p_diloco.plan import FINAL_ROUND_SLACK_S, RoundPlan
-from p2p_diloco.records import PeerProgress, ProgressRecords
+from p2p_diloco.records import PeerProgress, PendingProgress, ProgressRecords
 from p2p_diloco.rounds import RoundBegin, RoundEnd, RoundEngine, RoundKind, RoundStatus
 from p2p_diloco.state_sync import StateService, SwarmState
 from p2p_diloco.wire import WireCounter
@@ -164,6 +164,7 @@ class LearningUnit:
         self._evaluate("join")
         self._write_probe()
         last_progress = 0.0
+        census: PendingProgress | None = None  # the live units' progress records, read without waiting
         try:
             while not stop.is_set() and not self._limit_reached(started):
                 stats = self.train_step(batches)
@@ -174,8 +175,12 @@ class LearningUnit:
                 self.maybe_begin_round()
                 if time.monotonic() - last_progress >= PROGRESS_EVERY_S:
                     self._publish_progress()
-                    self.engine.swarm_size = max(1, len(self.network.records.read_progress()))  # the census
+                    census = census or self.network.records.read_progress_soon()
                     last_progress = time.monotonic()
+                if census is not None and (live := census.poll()) is not None:
+                    census = None
+                    if live:  # an empty or failed read keeps the last census
+                        self.engine.swarm_size = len(live)
         finally:
             progress.close()
 

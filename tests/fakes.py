@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
 
 from p2p_diloco.averaging import RoundOutcome, check_round_request
 from p2p_diloco.diloco import probe_drift, weighted_average
-from p2p_diloco.records import PeerProgress
+from p2p_diloco.records import PeerProgress, PendingProgress
 from p2p_diloco.state_sync import SwarmState
 
 
@@ -220,6 +221,11 @@ class FakeRecords:
 
     def read_progress(self) -> dict[str, PeerProgress]:
         return dict(self.progress)
+
+    def read_progress_soon(self) -> PendingProgress:
+        found: Future = Future()
+        found.set_result(dict(self.progress))
+        return PendingProgress(found, "fake_progress", records=dict)
 
     def refresh_model_fingerprint(self, fingerprint: str, ttl_s: float = 3600) -> None:
         self.fingerprints.append(fingerprint)

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future
 
 import pytest
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
 from bench.swarm import wait_until
+from p2p_diloco import records
 from p2p_diloco.config import NetworkSection
 from p2p_diloco.dht import start_dht, stop_dht, visible_multiaddrs
-from p2p_diloco.records import PeerProgress, SwarmRecords, record_validators
+from p2p_diloco.records import PeerProgress, PendingProgress, SwarmRecords, record_validators
 from p2p_diloco.status import format_table, run_status
 
 pytestmark = pytest.mark.swarm
@@ -63,6 +65,28 @@ def test_progress_round_trip_between_peers(swarm):
     wait_until(lambda: set(a.read_progress()) == {"peer-a", "peer-b"}, 10, "both records on peer a")
 
 
+def test_progress_read_without_waiting(swarm):
+    """``read_progress_soon`` returns a read to poll; once over, it holds what ``read_progress`` returns."""
+    a, b = swarm
+    a.publish_progress(progress("peer-a"), wait=True)
+    wait_until(lambda: "peer-a" in b.read_progress(), 10, "peer-a's record on peer b")
+    pending = b.read_progress_soon()
+    found: list[dict[str, PeerProgress]] = []
+    wait_until(lambda: found.append(pending.poll()) or found[-1] is not None, 10, "the read to end")
+    assert found[-1] == b.read_progress()
+
+
+def test_unanswered_read_counts_as_empty(monkeypatch, caplog):
+    """A read still pending after ``DHT_TIMEOUT_S`` is over and empty, with a warning; before that, pending."""
+    never_answered: Future = Future()
+    pending = PendingProgress(never_answered, "key")
+    assert pending.poll() is None
+    monkeypatch.setattr(records, "DHT_TIMEOUT_S", 0.0)
+    with caplog.at_level(logging.WARNING, logger="p2p_diloco.records"):
+        assert pending.poll() == {}
+    assert "dht get failed key=key" in caplog.text
+
+
 def test_forged_and_malformed_records_are_rejected(swarm):
     a, b = swarm
     original = progress("peer-a")
@@ -109,6 +133,7 @@ def test_publish_on_a_dead_dht_only_warns(swarm, caplog):
     with caplog.at_level(logging.WARNING, logger="p2p_diloco.records"):
         a.publish_progress(progress("peer-a"), wait=True)
         assert a.read_progress() == {}
+        assert a.read_progress_soon().poll() in (None, {})
     assert "dht store failed" in caplog.text and "dht get failed" in caplog.text
 
 
