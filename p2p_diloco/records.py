@@ -13,7 +13,7 @@ import math
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import hivemind
 import pydantic.v1 as pydantic
@@ -34,6 +34,8 @@ else:
     _SHORT_TEXT = pydantic.constr(strict=True, min_length=1, max_length=128)
     _COUNT = pydantic.conint(strict=True, ge=0)
     _NON_NEGATIVE = pydantic.confloat(strict=True, ge=0.0)
+Phase = Literal["training", "finishing", "left"]
+"""Where a unit is in its life, as its progress record says."""
 _FLOAT_FIELDS = ("tokens_per_s", "loss", "last_seen", "useful_compute_s", "allocated_s")
 
 
@@ -54,6 +56,7 @@ class PeerProgress(pydantic.BaseModel):
     model_fingerprint: _SHORT_TEXT
     useful_compute_s: _NON_NEGATIVE = 0.0  # goodput numerator (p2p_diloco/goodput.py); 0.0 from older peers
     allocated_s: _NON_NEGATIVE = 0.0  # goodput denominator; 0.0 from older peers
+    phase: Phase = "training"  # "finishing": in its final and settle rounds; "left": its last record
 
     class Config:
         extra = pydantic.Extra.forbid
@@ -88,7 +91,7 @@ def record_validators(run_id: str, private_key: RSAPrivateKey | None = None) -> 
 class ProgressRecords(Protocol):
     """What a learning unit needs of the run's records (SwarmRecords; tests/fakes.py has an in-memory one)."""
 
-    def publish_progress(self, progress: PeerProgress, ttl_s: float = 60) -> None: ...
+    def publish_progress(self, progress: PeerProgress, ttl_s: float = 60, wait: bool = False) -> None: ...
 
     def read_progress(self) -> dict[str, PeerProgress]: ...
 
@@ -123,6 +126,11 @@ class PendingProgress:
         except Exception as error:
             logger.warning("dht get failed key=%s error=%s", self._key, error or type(error).__name__)
             return {}
+
+
+def in_phase(records: dict[str, PeerProgress], *phases: Phase) -> dict[str, PeerProgress]:
+    """The records of units in one of ``phases`` (a unit's record outlives it until it expires, saying "left")."""
+    return {peer_id: record for peer_id, record in records.items() if record.phase in phases}
 
 
 def latest_progress(found: hivemind.utils.ValueWithExpiration | None) -> dict[str, PeerProgress]:

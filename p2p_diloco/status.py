@@ -37,8 +37,8 @@ def run_status(network: NetworkSection, stale_after_s: float = 60) -> int:
 
 
 def format_table(rows: list[PeerProgress], now: float, stale_after_s: float) -> str:
-    """Aligned text table, one line per peer sorted by peer id, then the swarm's goodput over the non-stale rows
-    (their summed useful compute / summed allocated peer-time)."""
+    """Aligned text table, one line per peer sorted by peer id, then the swarm's goodput over the live rows (neither
+    stale nor left: their summed useful compute / summed allocated peer-time)."""
     lines = [_HEADER]
     for row in sorted(rows, key=lambda item: item.peer_id):
         lines.append(
@@ -48,14 +48,14 @@ def format_table(rows: list[PeerProgress], now: float, stale_after_s: float) -> 
                 str(row.outer_round),
                 f"{row.tokens_per_s:.1f}",
                 f"{row.loss:.4f}",
-                f"{_age_s(row, now):.0f} s ago" + (" (stale)" if _is_stale(row, now, stale_after_s) else ""),
+                f"{_age_s(row, now):.0f} s ago" + _gone(row, now, stale_after_s),
                 str(row.group_size),
                 _percent(row.useful_compute_s, row.allocated_s),
             )
         )
     widths = [max(len(line[column]) for line in lines) for column in range(len(_HEADER))]
     table = "\n".join("  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip() for line in lines)
-    live = [row for row in rows if not _is_stale(row, now, stale_after_s)]
+    live = [row for row in rows if not _gone(row, now, stale_after_s)]
     swarm = _percent(sum(row.useful_compute_s for row in live), sum(row.allocated_s for row in live))
     return f"{table}\nswarm goodput: {swarm} over {len(live)} live peers (useful compute / allocated peer-time)"
 
@@ -64,8 +64,11 @@ def _age_s(row: PeerProgress, now: float) -> float:
     return max(0.0, now - row.last_seen)
 
 
-def _is_stale(row: PeerProgress, now: float, stale_after_s: float) -> bool:
-    return _age_s(row, now) > stale_after_s
+def _gone(row: PeerProgress, now: float, stale_after_s: float) -> str:
+    """ " (left)" for a peer that announced it left, " (stale)" for one silent for over ``stale_after_s``, else ""."""
+    if row.phase == "left":
+        return " (left)"
+    return " (stale)" if _age_s(row, now) > stale_after_s else ""
 
 
 def _percent(useful_s: float, allocated_s: float) -> str:

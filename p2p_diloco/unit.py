@@ -40,7 +40,7 @@ from p2p_diloco.inner import InnerTrainer, StepStats
 from p2p_diloco.metrics import MetricsLog, ProgressBars, Throughput
 from p2p_diloco.model import LoadedModel, export_pretrained
 from p2p_diloco.plan import FINAL_ROUND_SLACK_S, RoundPlan
-from p2p_diloco.records import PeerProgress, PendingProgress, ProgressRecords
+from p2p_diloco.records import PeerProgress, PendingProgress, Phase, ProgressRecords, in_phase
 from p2p_diloco.rounds import RoundBegin, RoundEnd, RoundEngine, RoundKind, RoundStatus
 from p2p_diloco.state_sync import StateService, SwarmState
 from p2p_diloco.wire import WireCounter
@@ -180,7 +180,7 @@ class LearningUnit:
                 if census is not None and (live := census.poll()) is not None:
                     census = None
                     if live:  # an empty or failed read keeps the last census
-                        self.engine.swarm_size = len(live)
+                        self.engine.swarm_size = self._census(live, "training", "finishing")
         finally:
             progress.close()
 
@@ -290,7 +290,14 @@ class LearningUnit:
             SwarmState(engine.global_params, engine.momentum, rounds, self.inner_step, self.tokens)
         )
 
-    def _publish_progress(self) -> None:
+    def _census(self, records: dict[str, PeerProgress], *phases: Phase) -> int:
+        """How many units are in one of ``phases`` by ``records``, this one included (its own record may not be
+        readable yet)."""
+        return len(set(in_phase(records, *phases)) | {self.network.peer_id})
+
+    def _publish_progress(self, phase: Phase = "training") -> None:
+        """This unit's progress record; one of another phase than training is stored before returning (at most
+        DHT_TIMEOUT_S), so that the units leaving with it read it in time."""
         self.network.records.publish_progress(
             PeerProgress(
                 peer_id=self.network.peer_id,
@@ -303,8 +310,10 @@ class LearningUnit:
                 model_fingerprint=self.loaded.fingerprint,
                 useful_compute_s=self.ledger.useful_compute_s,
                 allocated_s=self.ledger.allocated_s(time.time()),
+                phase=phase,
             ),
             ttl_s=PROGRESS_TTL_S,
+            wait=phase != "training",
         )
 
     def save(self) -> None:
@@ -333,6 +342,7 @@ class LearningUnit:
         leaving at the same time (:meth:`_settle`); then final eval, checkpoint and export of the consensus
         parameters."""
         engine, step_time_s = self.engine, self.throughput.step_time_s
+        self._publish_progress("finishing")  # the units finishing at the same time settle with this one
         bound_s = engine.final_round_bound_s(step_time_s)
         logger.info("finishing the last outer rounds (at most %.0f s each; Ctrl+C again to abort)", bound_s)
         make_settle = self.network.settle_averager if engine.plan.settle_rounds else None
@@ -346,6 +356,7 @@ class LearningUnit:
         finally:
             if settle_averager is not None:
                 settle_averager.shutdown()
+        self._publish_progress("left")  # the units settling after this one no longer wait for it
         self._evaluate("final")
         self.save()
         if self.config.run.save_dir is not None:
@@ -358,9 +369,11 @@ class LearningUnit:
         """Up to ``settle_rounds`` settle rounds (rounds.py) with the units leaving at the same time, the first after
         ``not_before`` (the boundary of the final rounds, whether this unit had one in flight or began one). Units
         whose final rounds end at different times may settle among themselves first, and a contended matchmaking may
-        leave a unit out of a round, so the rounds go on until one held every live unit (the census) with their φ
-        already within SETTLED_DRIFT, or two in a row met nobody."""
-        engine, alone = self.engine, 0
+        leave a unit out of a round, so the rounds go on until one held every unit finishing at the time (a census
+        read after each round: units announce that they are finishing, then that they left) with their φ already
+        within SETTLED_DRIFT. A unit leaving a swarm that trains on settles once; one that missed the others
+        finishing with it tries again."""
+        engine = self.engine
         for _ in range(engine.plan.settle_rounds):
             window_s = engine.settle_window_s(get_dht_time(), not_before)
             if not engine.begin_settle(averager, window_s):
@@ -369,9 +382,8 @@ class LearningUnit:
                 averager.finish_round(window_s + FINAL_ROUND_SLACK_S + engine.plan.allreduce_timeout_s)
             )
             self._ended(end)
-            alone = 0 if end.status is RoundStatus.MERGED else alone + 1
-            everyone = end.group_size >= engine.swarm_size and end.member_drift <= SETTLED_DRIFT
-            if alone == 2 or everyone:
+            census = self._census(self.network.records.read_progress(), "finishing")
+            if end.group_size >= census and end.member_drift <= SETTLED_DRIFT:
                 return
 
     def _exit_rounds(self, begins: list[RoundBegin], bound_s: float) -> None:

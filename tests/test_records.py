@@ -13,7 +13,7 @@ from bench.swarm import wait_until
 from p2p_diloco import records
 from p2p_diloco.config import NetworkSection
 from p2p_diloco.dht import start_dht, stop_dht, visible_multiaddrs
-from p2p_diloco.records import PeerProgress, PendingProgress, SwarmRecords, record_validators
+from p2p_diloco.records import PeerProgress, PendingProgress, SwarmRecords, in_phase, record_validators
 from p2p_diloco.status import format_table, run_status
 
 pytestmark = pytest.mark.swarm
@@ -63,6 +63,16 @@ def test_progress_round_trip_between_peers(swarm):
     assert b.read_progress()["peer-a"] == mine
     b.publish_progress(progress("peer-b", inner_step=0, tokens_per_s=0), wait=True)
     wait_until(lambda: set(a.read_progress()) == {"peer-a", "peer-b"}, 10, "both records on peer a")
+
+
+def test_a_record_of_another_phase_replaces_the_last_one(swarm):
+    a, b = swarm
+    a.publish_progress(progress("peer-a"), wait=True)
+    b.publish_progress(progress("peer-b"), wait=True)
+    wait_until(lambda: set(in_phase(b.read_progress(), "training")) == {"peer-a", "peer-b"}, 10, "both records")
+    a.publish_progress(progress("peer-a", phase="left"), wait=True)
+    wait_until(lambda: set(in_phase(b.read_progress(), "training")) == {"peer-b"}, 10, "peer-a's last record")
+    assert set(in_phase(b.read_progress(), "left")) == {"peer-a"}
 
 
 def test_progress_read_without_waiting(swarm):
@@ -146,6 +156,8 @@ def test_progress_model_is_strict():
         dict(tokens_per_s=-1.0),
         dict(model_fingerprint=""),
         dict(model_fingerprint="x" * 129),
+        dict(phase="gone"),
+        dict(phase=1),
     ):
         with pytest.raises(ValueError):
             progress("p", **bad)
@@ -177,11 +189,13 @@ def test_format_table_shows_each_peers_goodput_and_the_swarm_goodput_of_live_pee
         progress("peer-b", last_seen=now - 10, useful_compute_s=50.0, allocated_s=100.0),
         progress("peer-c", last_seen=now, useful_compute_s=0.0, allocated_s=0.0),  # an older peer: nothing reported
         progress("peer-d", last_seen=now - 120, useful_compute_s=0.0, allocated_s=900.0),  # stale: not counted
+        progress("peer-e", last_seen=now, useful_compute_s=0.0, allocated_s=900.0, phase="left"),  # left: neither
     ]
     lines = format_table(rows, now, stale_after_s=60).splitlines()
     assert lines[0].split()[-1] == "goodput"
-    assert [line.split()[-1] for line in lines[1:5]] == ["93.1%", "50.0%", "n/a", "0.0%"]
-    assert lines[5] == "swarm goodput: 71.5% over 3 live peers (useful compute / allocated peer-time)"
+    assert [line.split()[-1] for line in lines[1:6]] == ["93.1%", "50.0%", "n/a", "0.0%", "0.0%"]
+    assert "(stale)" in lines[4] and "(left)" in lines[5]
+    assert lines[6] == "swarm goodput: 71.5% over 3 live peers (useful compute / allocated peer-time)"
     only_stale = format_table(rows[3:], now, stale_after_s=60).splitlines()[-1]
     assert only_stale == "swarm goodput: n/a over 0 live peers (useful compute / allocated peer-time)"
 

@@ -34,9 +34,17 @@ from p2p_diloco.diloco import (
     pseudo_gradient,
     weighted_average,
 )
-from p2p_diloco.events import LocalReset, OuterRound, OuterRoundBegin, OuterRoundFailed, StateDownload, Stop
+from p2p_diloco.events import (
+    ConsensusRound,
+    LocalReset,
+    OuterRound,
+    OuterRoundBegin,
+    OuterRoundFailed,
+    StateDownload,
+    Stop,
+)
 from p2p_diloco.goodput import GoodputLedger
-from p2p_diloco.records import PeerProgress
+from p2p_diloco.records import PeerProgress, Phase
 from p2p_diloco.state_sync import SwarmState
 from p2p_diloco.unit import JoinError
 
@@ -237,8 +245,9 @@ def test_the_unit_counts_the_live_units_and_stops_at_its_wall_clock_time(make_pe
     a = make_peer("a", FakeGroup(), run__max_steps=1, run__stop_at=time.time() + 3600)
     for other in ("b", "c"):
         a.records.publish_progress(progress(other, 0, a.unit.loaded.fingerprint))
+    a.records.publish_progress(progress("d", 0, a.unit.loaded.fingerprint).copy(update={"phase": "left"}))
     a.unit.run(threading.Event())
-    assert a.unit.engine.swarm_size == 3 and a.unit.inner_step == 1  # b, c and its own record
+    assert a.unit.engine.swarm_size == 3 and a.unit.inner_step == 1  # b, c and its own record; d left
     past = make_peer("past", FakeGroup(), run__stop_at=time.time() - 1)
     past.unit.run(threading.Event())
     assert past.unit.inner_step == 0, "a stop time already past: no training"
@@ -347,6 +356,28 @@ def test_finish_hands_the_last_steps_to_a_final_round_then_checkpoints_and_expor
     assert stop.compute_s == ledger.compute_s and stop.useful_tokens == 3 * TOKENS_PER_STEP
     assert stop.allocated_s > 0 and stop.goodput == pytest.approx(ledger.useful_compute_s / stop.allocated_s)
     assert saved_ledger(a) == ledger
+
+
+@pytest.mark.parametrize(
+    ("others", "settle_rounds"),
+    [({}, 1), ({"b": "finishing"}, 4), ({"b": "training"}, 1), ({"b": "left"}, 1)],
+    ids=["alone in the swarm", "another unit finishes", "the others train on", "the other unit left"],
+)
+def test_a_lone_settle_round_is_retried_only_while_another_unit_finishes(
+    make_peer: PeerFactory, others: dict[str, Phase], settle_rounds: int
+) -> None:
+    """Settle rounds that meet nobody go on (up to --settle-rounds) while the census holds another unit that is
+    finishing; otherwise one round. The unit announces that it finishes, then that it left."""
+    settle = FakeGroup()  # only this unit's settle averager: every settle round is alone
+    a = make_peer("a", FakeGroup(), settle_group=settle, outer__settle_rounds=4)
+    for name, phase in others.items():
+        a.records.publish_progress(progress(name, 0, a.unit.loaded.fingerprint).copy(update={"phase": phase}))
+    train_until_round(a)
+    a.unit.finish()
+    (settle_averager,) = settle.members
+    assert len(settle_averager.begun) == settle_rounds and settle_averager.is_shut_down
+    assert [end.kind for end in a.events(ConsensusRound)] == ["settle"] * settle_rounds
+    assert [record.phase for record in a.records.published if record.peer_id == "a"][-2:] == ["finishing", "left"]
 
 
 def test_finish_drops_a_round_that_does_not_end_in_time(make_peer: PeerFactory) -> None:

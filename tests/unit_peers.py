@@ -78,10 +78,11 @@ def make_peer(tmp_path: Path) -> Iterator[PeerFactory]:
         records: FakeRecords | None = None,
         served: SwarmState | None = None,
         consensus_groups: Sequence[FakeGroup] = (),
+        settle_group: FakeGroup | None = None,
         **overrides: Any,
     ) -> Peer:
         """``group``: one per streaming fragment (a single group for P = 1); ``consensus_groups`` one per fragment
-        when the plan has consensus rounds."""
+        when the plan has consensus rounds; ``settle_group``: where its settle averager (made at exit) meets."""
         work_dir = tmp_path / name
         config = make_config(work_dir, **overrides)
         loaded = load_model(config.model)  # same seed ⇒ same initial weights on every unit
@@ -95,7 +96,8 @@ def make_peer(tmp_path: Path) -> Iterator[PeerFactory]:
         state_server, records = FakeStateServer(served), records if records is not None else FakeRecords()
         metrics = MetricsLog(work_dir / "metrics.jsonl")
         logs.append(metrics)
-        network = UnitNetwork(averagers, consensus, state_server, records, name)
+        settle = None if settle_group is None else lambda template: settle_group.averager(template, name)
+        network = UnitNetwork(averagers, consensus, state_server, records, name, settle)
         unit = LearningUnit(config, plan, loaded, data, network, metrics)
         return Peer(unit, averagers[0], state_server, records, data.train_batches(), work_dir, averagers, consensus)
 
