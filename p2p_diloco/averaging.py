@@ -100,7 +100,7 @@ class Averager(Protocol):
         ...
 
     def shutdown(self) -> None:
-        """Cancel the round in flight and release what the averager holds."""
+        """Cancel the round in flight and release what the averager holds; a second call does nothing."""
         ...
 
 
@@ -318,7 +318,8 @@ class OuterAverager:
         if self._pending is not None:
             _cancel(self._pending.control)
         self._pending = None
-        self._averager.shutdown()
+        if self._averager.is_alive():  # hivemind logs an exception for a second shutdown
+            self._averager.shutdown()
 
 
 def check_round_request(

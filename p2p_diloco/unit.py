@@ -338,23 +338,24 @@ class LearningUnit:
     def finish(self) -> None:
         """Leave cleanly: hand the last steps to the swarm in final rounds at the next boundary (bounded by the
         engine's final-round bound; with quorum 1 a round completes alone if nobody joins; a round that does not end
-        in time is dropped and its progress stays in the checkpoint's local parameters); then settle with the units
-        leaving at the same time (:meth:`_settle`); then final eval, checkpoint and export of the consensus
-        parameters."""
+        in time is dropped and its progress stays in the checkpoint's local parameters); then shut the round
+        averagers down and settle with the units leaving at the same time (:meth:`_settle`); then final eval,
+        checkpoint and export of the consensus parameters."""
         engine, step_time_s = self.engine, self.throughput.step_time_s
         self._publish_progress("finishing")  # the units finishing at the same time settle with this one
         bound_s = engine.final_round_bound_s(step_time_s)
         logger.info("finishing the last outer rounds (at most %.0f s each; Ctrl+C again to abort)", bound_s)
-        make_settle = self.network.settle_averager if engine.plan.settle_rounds else None
-        settle_averager = make_settle(engine.settle_template()) if make_settle is not None else None
         now = get_dht_time()
         final_boundary = now + engine.boundary_window_s(0, step_time_s, now)  # the same for every unit leaving now
-        try:
-            self._exit_rounds(engine.begin_final(step_time_s, now), bound_s)
-            if settle_averager is not None:
+        self._exit_rounds(engine.begin_final(step_time_s, now), bound_s)
+        for averager in (*self.network.averagers, *self.network.consensus_averagers):
+            averager.shutdown()  # of no more use: the settle averager takes their place (memory stays flat at exit)
+        make_settle = self.network.settle_averager if engine.plan.settle_rounds else None
+        if make_settle is not None:
+            settle_averager = make_settle(engine.settle_template())
+            try:
                 self._settle(settle_averager, not_before=final_boundary)
-        finally:
-            if settle_averager is not None:
+            finally:
                 settle_averager.shutdown()
         self._publish_progress("left")  # the units settling after this one no longer wait for it
         self._evaluate("final")

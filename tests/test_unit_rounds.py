@@ -376,6 +376,7 @@ def test_a_lone_settle_round_is_retried_only_while_another_unit_finishes(
     a.unit.finish()
     (settle_averager,) = settle.members
     assert len(settle_averager.begun) == settle_rounds and settle_averager.is_shut_down
+    assert a.averager.is_shut_down  # the round averager made room for the settle averager
     assert [end.kind for end in a.events(ConsensusRound)] == ["settle"] * settle_rounds
     assert [record.phase for record in a.records.published if record.peer_id == "a"][-2:] == ["finishing", "left"]
 
