@@ -59,6 +59,9 @@ class DataSection(_Section):
 
 
 class InnerSection(_Section):
+    optimizer: Literal["adamw", "sgd"] = Field(
+        "adamw", description="inner optimizer; sgd (plain, no momentum) makes DiLoCo at H = 1 exactly data-parallel"
+    )
     inner_lr: float = Field(1e-3, gt=0.0, le=1.0, description="AdamW peak learning rate")
     weight_decay: float = Field(0.1, ge=0.0, le=1.0, description="AdamW decoupled weight decay")
     warmup_steps: int = Field(20, ge=0, description="linear warm-up inner steps")

@@ -1,4 +1,5 @@
-"""The inner optimizer of a learning unit: AdamW with warm-up and cosine decay, clipping, accumulation."""
+"""The inner optimizer of a learning unit: AdamW (or plain SGD) with warm-up and cosine decay, clipping,
+accumulation."""
 
 from __future__ import annotations
 
@@ -43,9 +44,13 @@ class InnerTrainer:
     def __init__(self, model: torch.nn.Module, section: InnerSection, device: torch.device):
         self.model, self.section, self.device = model, section, device
         self.params = [param for param in model.parameters() if param.requires_grad]
-        self.optimizer = torch.optim.AdamW(
-            self.params, lr=section.inner_lr, weight_decay=section.weight_decay, betas=(0.9, 0.95)
-        )
+        self.optimizer: torch.optim.Optimizer
+        if section.optimizer == "sgd":
+            self.optimizer = torch.optim.SGD(self.params, lr=section.inner_lr, weight_decay=section.weight_decay)
+        else:
+            self.optimizer = torch.optim.AdamW(
+                self.params, lr=section.inner_lr, weight_decay=section.weight_decay, betas=(0.9, 0.95)
+            )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: lr_factor(step, section.warmup_steps, section.decay_steps)
         )

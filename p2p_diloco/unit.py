@@ -295,6 +295,14 @@ class LearningUnit:
         readable yet)."""
         return len(set(in_phase(records, *phases)) | {self.network.peer_id})
 
+    def _finishing(self) -> int:
+        """How many units are finishing now, this one included. A read without this unit's own record (stored before
+        its final rounds) is incomplete, as reads of a loaded DHT can be: then the last census of live units."""
+        records = self.network.records.read_progress()
+        if self.network.peer_id not in records:
+            return max(self.engine.swarm_size, 1)
+        return self._census(records, "finishing")
+
     def _publish_progress(self, phase: Phase = "training") -> None:
         """This unit's progress record; one of another phase than training is stored before returning (at most
         DHT_TIMEOUT_S), so that the units leaving with it read it in time."""
@@ -383,8 +391,7 @@ class LearningUnit:
                 averager.finish_round(window_s + FINAL_ROUND_SLACK_S + engine.plan.allreduce_timeout_s)
             )
             self._ended(end)
-            census = self._census(self.network.records.read_progress(), "finishing")
-            if end.group_size >= census and end.member_drift <= SETTLED_DRIFT:
+            if end.group_size >= self._finishing() and end.member_drift <= SETTLED_DRIFT:
                 return
 
     def _exit_rounds(self, begins: list[RoundBegin], bound_s: float) -> None:

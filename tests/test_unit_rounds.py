@@ -372,6 +372,8 @@ def test_a_lone_settle_round_is_retried_only_while_another_unit_finishes(
     a = make_peer("a", FakeGroup(), settle_group=settle, outer__settle_rounds=4)
     for name, phase in others.items():
         a.records.publish_progress(progress(name, 0, a.unit.loaded.fingerprint).copy(update={"phase": phase}))
+    if not others:
+        a.unit.engine.swarm_size = 3  # the census of live units while training: ignored (its own record is read)
     train_until_round(a)
     a.unit.finish()
     (settle_averager,) = settle.members
@@ -379,6 +381,19 @@ def test_a_lone_settle_round_is_retried_only_while_another_unit_finishes(
     assert a.averager.is_shut_down  # the round averager made room for the settle averager
     assert [end.kind for end in a.events(ConsensusRound)] == ["settle"] * settle_rounds
     assert [record.phase for record in a.records.published if record.peer_id == "a"][-2:] == ["finishing", "left"]
+
+
+def test_a_census_read_without_its_own_record_falls_back_to_the_live_units(make_peer: PeerFactory) -> None:
+    """A DHT read that lacks the unit's own "finishing" record is incomplete: the settle rounds go on while the last
+    census of live units (3) is more than the rounds held."""
+    settle = FakeGroup()
+    incomplete = FakeRecords()
+    incomplete.read_progress = dict  # type: ignore[method-assign]  # every read comes back empty
+    a = make_peer("a", FakeGroup(), records=incomplete, settle_group=settle, outer__settle_rounds=3)
+    a.unit.engine.swarm_size = 3
+    train_until_round(a)
+    a.unit.finish()
+    assert len(settle.members[0].begun) == 3
 
 
 def test_finish_drops_a_round_that_does_not_end_in_time(make_peer: PeerFactory) -> None:

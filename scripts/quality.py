@@ -1,0 +1,83 @@
+#!/usr/bin/env python
+"""Model quality at equal tokens: data-parallel, synchronous DiLoCo with M units and ours-async, in one process
+(bench/quality.py).
+
+    .venv/bin/python scripts/quality.py --out results/quality --tokens 2000000 --units 1 2 4 8 --async-units 4
+
+Writes quality.json, quality.md and quality.png to --out. ``--set section__field=value`` changes what every method
+trains (model, data, inner settings over the tiny preset); ``--outer field=value`` the DiLoCo methods' outer step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import platform
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the laboratory, bench/, lives in the checkout
+
+from bench.quality import Budget, Method, run_comparison  # noqa: E402
+from bench.quality_report import write_report  # noqa: E402
+
+# What real swarms showed (results/scale, steps-n4-g8: 10 of 44 unit-rounds alone; the demo's outer_round events:
+# 8 inner steps of overlap at H = 20).
+MEASURED_ALONE_P = 0.23
+MEASURED_DELAY_STEPS = 8
+
+
+def _assignment(text: str) -> tuple[str, Any]:
+    name, separator, value = text.partition("=")
+    if not separator or not name:
+        raise argparse.ArgumentTypeError(f"expected name=value, got {text!r}")
+    try:
+        return name, ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return name, value  # a plain string (a path, a codec name)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True, help="results folder")
+    parser.add_argument("--tokens", type=int, required=True, help="token budget of every method (all units)")
+    parser.add_argument("--units", type=int, nargs="+", default=[1, 2, 4, 8], help="synchronous DiLoCo sizes M")
+    parser.add_argument("--async-units", type=int, nargs="*", default=[4], help="ours-async sizes M")
+    parser.add_argument("--alone-p", type=float, default=MEASURED_ALONE_P, help="ours-async: P(a round alone)")
+    parser.add_argument("--delay-steps", type=int, default=MEASURED_DELAY_STEPS, help="ours-async: overlap steps")
+    parser.add_argument("--data-parallel-units", type=int, default=None, help="combined batch (default: max M)")
+    parser.add_argument("--evals", type=int, default=8, help="eval points per method")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--set", type=_assignment, action="append", default=[], help="section__field=value")
+    parser.add_argument("--outer", type=_assignment, action="append", default=[], help="[outer] field=value")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    return parser
+
+
+def main() -> int:
+    args = _parser().parse_args()
+    torch.set_num_threads(args.threads)
+    outer = dict(args.outer)
+    data_parallel = args.data_parallel_units or max([*args.units, *args.async_units])
+    methods = [Method(f"data-parallel-m{data_parallel}", "data-parallel", data_parallel)]
+    methods += [Method(f"diloco-m{units}", "diloco", units, outer=outer) for units in args.units]
+    methods += [Method(f"async-m{units}", "diloco", units, args.alone_p, args.delay_steps, outer)
+                for units in args.async_units]  # fmt: skip
+    budget = Budget(args.tokens, args.evals, args.seed, dict(args.set))
+    command = " ".join([Path(sys.executable).name, *sys.argv])
+    environment = f"{platform.node()}: {platform.processor() or platform.machine()}, Python {platform.python_version()}"
+    try:
+        results = run_comparison(methods, budget)
+    except ValueError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    write_report(results, budget, args.out, command, environment)
+    print((args.out / "quality.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
