@@ -20,7 +20,7 @@ import itertools
 import random
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -363,8 +363,14 @@ def _own_loss(judge: LearningUnit, phi: Sequence[torch.Tensor]) -> float:
         return judge.trainer.evaluate(judge.data.eval_batches)
 
 
-def run_comparison(methods: Sequence[Method], budget: Budget, work_dir: Path | None = None) -> list[MethodResult]:
-    """Every method on the same budget, one after the other (units' files in ``work_dir`` or a temporary one)."""
+def run_comparison(
+    methods: Sequence[Method], budget: Budget, report: Callable[[MethodResult], None] = lambda result: None
+) -> list[MethodResult]:
+    """Every method on the same budget, one after the other (units' files in a temporary folder); ``report`` is
+    called with each result as it is ready."""
+    results = []
     with tempfile.TemporaryDirectory(prefix="quality-") as scratch:
-        root = work_dir or Path(scratch)
-        return [run_method(method, budget, root / method.name) for method in methods]
+        for method in methods:
+            results.append(run_method(method, budget, Path(scratch) / method.name))
+            report(results[-1])
+    return results

@@ -28,9 +28,9 @@ def markdown(rows: Sequence[dict[str, Any]], budget: Budget, command: str, envir
         environment, "",
         f"Budget: {budget.tokens:,} tokens over all units; settings {budget.settings or 'of the tiny preset'}; "
         f"seed {budget.seed}.", "",
-        "| method | units | alone p | delay steps | outer | inner steps per unit | rounds | mean group "
+        "| method | units | alone p | delay steps | outer | tokens | inner steps per unit | rounds | mean group "
         "| final eval loss | vs data-parallel | seconds |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]  # fmt: skip
     for row in rows:
         method = row["method"]
@@ -38,11 +38,12 @@ def markdown(rows: Sequence[dict[str, Any]], budget: Budget, command: str, envir
         outer = ", ".join(f"{key}={value}" for key, value in method["outer"].items()) or "defaults"
         lines.append(
             f"| {method['name']} | {method['units']} | {method['alone_p']:g} | {method['delay_steps']} | {outer} "
-            f"| {row['inner_steps']} | {row['rounds']} | {row['mean_group']:.2f} | {row['final_loss']:.4f} | {gap} "
-            f"| {row['seconds']:.0f} |"
+            f"| {row['tokens']:,} | {row['inner_steps']} | {row['rounds']} | {row['mean_group']:.2f} "
+            f"| {row['final_loss']:.4f} | {gap} | {row['seconds']:.0f} |"
         )
-    lines += ["", "Eval loss: the held-out batches every unit shares; for DiLoCo methods, the loss of the units' mean "
-              "φ at the end (after the last rounds arrived).", ""]  # fmt: skip
+    lines += ["", "Tokens: the budget rounded down to whole rounds of every method. Eval loss: the held-out batches "
+              "every unit shares; for DiLoCo methods, that of the units' mean φ at the end (after the last rounds "
+              "arrived).", ""]  # fmt: skip
     return "\n".join(lines)
 
 

@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the laboratory, bench/, lives in the checkout
 
-from bench.quality import Budget, Method, run_comparison  # noqa: E402
+from bench.quality import Budget, Method, MethodResult, run_comparison  # noqa: E402
 from bench.quality_report import write_report  # noqa: E402
 
 # What real swarms showed (results/scale, steps-n4-g8: 10 of 44 unit-rounds alone; the demo's outer_round events:
@@ -57,6 +57,11 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _print_result(result: MethodResult) -> None:
+    print(f"{result.method.name}: eval loss {result.final_loss:.4f} after {result.tokens:,} tokens, "
+          f"{result.rounds} rounds, {result.seconds:.0f} s", flush=True)  # fmt: skip
+
+
 def main() -> int:
     args = _parser().parse_args()
     torch.set_num_threads(args.threads)
@@ -70,7 +75,7 @@ def main() -> int:
     command = " ".join([Path(sys.executable).name, *sys.argv])
     environment = f"{platform.node()}: {platform.processor() or platform.machine()}, Python {platform.python_version()}"
     try:
-        results = run_comparison(methods, budget)
+        results = run_comparison(methods, budget, report=_print_result)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
 
 from bench.quality import Budget, LocalSwarm, Method, MethodResult, run_method
+from bench.quality_report import write_report
 
 SMALL = {"data__seq_len": 32, "data__batch_size": 2, "data__eval_batches": 2, "inner__warmup_steps": 0}
 PLAIN_AVERAGE = {"outer_lr": 1.0, "outer_momentum": 0.0, "nesterov": False}
@@ -33,6 +35,12 @@ def test_every_method_consumes_the_same_token_budget(tmp_path: Path) -> None:
     assert [result.rounds for result in results[1:]] == [2, 2, 4]  # async: one in its run, one at its end
     assert results[1].mean_group == 4 and results[2].mean_group < 4
     assert all(len(result.points) == BUDGET.evals for result in results)
+
+    write_report(results, BUDGET, tmp_path / "report", "scripts/quality.py ...", "this machine")
+    document = json.loads((tmp_path / "report" / "quality.json").read_text())
+    assert [row["final_loss"] for row in document["rows"]] == [result.final_loss for result in results]
+    table = (tmp_path / "report" / "quality.md").read_text()
+    assert "| diloco-m4 | 4 |" in table and "+0.00%" in table and (tmp_path / "report" / "quality.png").exists()
 
 
 def test_one_unit_with_a_plain_average_is_the_plain_inner_loop(tmp_path: Path) -> None:
