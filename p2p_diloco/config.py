@@ -56,6 +56,12 @@ class DataSection(_Section):
     batch_size: int = Field(8, ge=1, description="sequences per micro-batch")
     eval_fraction: float = Field(0.02, gt=0.0, lt=0.5, description="fraction of documents held out for eval")
     eval_batches: int = Field(8, ge=1, description="batches in one held-out evaluation")
+    eval_dataset: str | None = Field(
+        None,
+        description="evaluate on these files or this hub dataset instead (no unit trains on a document it holds); "
+        "default: the documents of --dataset that --eval-fraction holds out",
+    )
+    eval_split: str = Field("validation", description="the hub split of --eval-dataset")
 
 
 class InnerSection(_Section):

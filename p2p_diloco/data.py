@@ -12,6 +12,10 @@ iff :func:`is_held_out`: a stable hash of its text falls below ``eval_fraction``
 never contains held-out documents. The evaluation batches are the first ``eval_batches`` batches of the
 held-out documents in source order, so they are identical on every peer, whatever its shard seed.
 
+With ``eval_dataset`` (files, or a hub dataset read at ``eval_split``), the evaluation batches are the first
+``eval_batches`` batches of its documents instead, and the training stream is every document of ``dataset`` except
+those the evaluation read (by their text), so a corpus that overlaps its evaluation set is never trained on it.
+
 Data order: each peer passes its own ``shard_seed`` (the caller derives it from the configured seed and the
 peer's identity). Epoch ``e`` of the training stream is ``shuffle(seed=derived(shard_seed, e),
 buffer_size=SHUFFLE_BUFFER)``: shard (file) order and documents within a buffer of ``SHUFFLE_BUFFER``
@@ -28,7 +32,7 @@ import hashlib
 import itertools
 import logging
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -66,6 +70,7 @@ class TextData:
     tokenizer: transformers.PreTrainedTokenizerBase = field(repr=False)
     documents: datasets.IterableDataset = field(repr=False)
     shard_seed: int = 0
+    evaluated: frozenset[bytes] = field(default=frozenset(), repr=False)  # digests of the eval dataset's documents read
 
     def train_batches(self) -> Iterator[torch.Tensor]:
         """Infinite stream of full training batches, restarting from epoch 0 of this peer's order at each call.
@@ -80,7 +85,7 @@ class TextData:
         for epoch in itertools.count():
             shuffled = self.documents.shuffle(seed=_epoch_seed(self.shard_seed, epoch), buffer_size=SHUFFLE_BUFFER)
             count = 0
-            for text in _texts(shuffled, self.section, held_out=False):
+            for text in _texts(shuffled, self.section, _training_filter(self.section, self.evaluated)):
                 count += 1
                 yield text
             if count == 0:
@@ -108,14 +113,16 @@ def load_text_data(section: DataSection, tokenizer: transformers.PreTrainedToken
     if tokenizer.eos_token_id is None:
         raise DatasetLoadError("the tokenizer has no eos token to separate documents")
     started = time.perf_counter()
-    documents = _open(section)
+    documents = _open(section.dataset, section.dataset_config, "train")
     try:
-        eval_batches = _eval_batches(documents, section, tokenizer)
-        has_training = next(_texts(documents, section, held_out=False), None) is not None
+        eval_batches, evaluated = _evaluation(documents, section, tokenizer)
+        has_training = next(_texts(documents, section, _training_filter(section, evaluated)), None) is not None
     except DatasetLoadError:
         raise
     except _LOAD_ERRORS as error:
         raise DatasetLoadError(f"dataset '{section.dataset}' could not be read: {first_line(error)}") from error
+    if not eval_batches and section.eval_dataset is not None:
+        raise DatasetLoadError(f"eval dataset '{section.eval_dataset}' has no sequence of {section.seq_len} tokens")
     if not eval_batches:
         raise DatasetLoadError(
             f"dataset '{section.dataset}' has no held-out sequence of {section.seq_len} tokens "
@@ -131,37 +138,72 @@ def load_text_data(section: DataSection, tokenizer: transformers.PreTrainedToken
         time.perf_counter() - started,
     )
     return TextData(
-        eval_batches=eval_batches, section=section, tokenizer=tokenizer, documents=documents, shard_seed=shard_seed
+        eval_batches=eval_batches,
+        section=section,
+        tokenizer=tokenizer,
+        documents=documents,
+        shard_seed=shard_seed,
+        evaluated=evaluated,
     )
 
 
-def _eval_batches(
+def _evaluation(
     documents: datasets.IterableDataset, section: DataSection, tokenizer: transformers.PreTrainedTokenizerBase
+) -> tuple[list[torch.Tensor], frozenset[bytes]]:
+    """The evaluation batches, and the digests of the eval dataset's documents they read (empty without one)."""
+    if section.eval_dataset is None:
+        held_out = _texts(documents, section, lambda text: is_held_out(text, section.eval_fraction))
+        return _eval_batches(held_out, section, tokenizer), frozenset()
+    source = _open(section.eval_dataset, section.dataset_config, section.eval_split)
+    evaluated: set[bytes] = set()
+    texts = _recording(_texts(source, section, lambda text: True, section.eval_dataset), evaluated)
+    return _eval_batches(texts, section, tokenizer), frozenset(evaluated)
+
+
+def _recording(texts: Iterator[str], digests: set[bytes]) -> Iterator[str]:
+    """``texts``, adding the digest of each one read to ``digests``."""
+    for text in texts:
+        digests.add(_digest(text))
+        yield text
+
+
+def _eval_batches(
+    texts: Iterator[str], section: DataSection, tokenizer: transformers.PreTrainedTokenizerBase
 ) -> list[torch.Tensor]:
-    """Full batches of the first held-out rows; one smaller batch when there are fewer than batch_size rows."""
-    rows = _pack(_token_ids(_texts(documents, section, held_out=True), tokenizer), section.seq_len)
+    """Full batches of the first rows of ``texts``; one smaller batch when there are fewer than batch_size rows."""
+    rows = _pack(_token_ids(texts, tokenizer), section.seq_len)
     first_rows = list(itertools.islice(rows, section.eval_batches * section.batch_size))
     keep = len(first_rows) - len(first_rows) % section.batch_size or len(first_rows)
     return list(_batches(first_rows[:keep], section.batch_size, keep_partial=True))
 
 
-def _open(section: DataSection) -> datasets.IterableDataset:
-    """The unshuffled document stream of a local source or hub dataset."""
-    files = _local_files(section.dataset)
+def _training_filter(section: DataSection, evaluated: frozenset[bytes]) -> Callable[[str], bool]:
+    """Which documents of ``dataset`` a unit trains on: not the held-out ones, or not those an eval dataset holds."""
+    if section.eval_dataset is None:
+        return lambda text: not is_held_out(text, section.eval_fraction)
+    return lambda text: _digest(text) not in evaluated
+
+
+def _digest(text: str) -> bytes:
+    return hashlib.blake2b(text.encode("utf-8"), digest_size=16).digest()
+
+
+def _open(spec: str, config: str | None, split: str) -> datasets.IterableDataset:
+    """The unshuffled document stream of a local source (``split`` does not apply) or of a hub dataset's split."""
+    files = _local_files(spec)
     if files is None:
         try:
-            return datasets.load_dataset(section.dataset, section.dataset_config, split="train", streaming=True)
+            return datasets.load_dataset(spec, config, split=split, streaming=True)
         except _LOAD_ERRORS as error:
             raise DatasetLoadError(
-                f"dataset '{section.dataset}' could not be loaded from the Hugging Face hub (offline?): "
-                f"{first_line(error)}"
+                f"dataset '{spec}' could not be loaded from the Hugging Face hub (offline?): {first_line(error)}"
             ) from error
-    builder = _builder(section.dataset, files)
+    builder = _builder(spec, files)
     options = {"sample_by": "paragraph"} if builder == "text" else {}
     try:
         return datasets.load_dataset(builder, data_files=files, split="train", streaming=True, **options)
     except _LOAD_ERRORS as error:
-        raise DatasetLoadError(f"dataset '{section.dataset}' could not be read: {first_line(error)}") from error
+        raise DatasetLoadError(f"dataset '{spec}' could not be read: {first_line(error)}") from error
 
 
 def _local_files(spec: str) -> list[str] | None:
@@ -204,20 +246,23 @@ def _builder(spec: str, files: list[str]) -> str:
     return builders.pop()
 
 
-def _texts(documents: Iterable[dict], section: DataSection, held_out: bool) -> Iterator[str]:
-    """Stripped non-blank documents of the held-out (or training) side, in stream order."""
+def _texts(
+    documents: Iterable[dict], section: DataSection, keep: Callable[[str], bool], source: str | None = None
+) -> Iterator[str]:
+    """Stripped non-blank documents that ``keep`` selects, in stream order (``source``: the dataset's name in errors,
+    by default ``section.dataset``)."""
     for example in documents:
         if section.text_column not in example:
             columns = ", ".join(list(example)[:8]) + (", ..." if len(example) > 8 else "")
             raise DatasetLoadError(
-                f"dataset '{section.dataset}' has no column '{section.text_column}' "
+                f"dataset '{source or section.dataset}' has no column '{section.text_column}' "
                 f"(columns: {columns}; set --text-column)"
             )
         text = example[section.text_column]
         if not isinstance(text, str) or not text.strip():
             continue
         text = text.strip()
-        if is_held_out(text, section.eval_fraction) == held_out:
+        if keep(text):
             yield text
 
 

@@ -199,3 +199,33 @@ def test_all_documents_held_out_means_no_training_data(tmp_path: Path, tokenizer
     section = DataSection(dataset=str(corpus), seq_len=8, eval_fraction=0.05)
     with pytest.raises(DatasetLoadError, match="has no training documents"):
         load_text_data(section, tokenizer, shard_seed=0)
+
+
+def test_an_eval_dataset_gives_the_eval_batches_and_is_never_trained_on(
+    tmp_path: Path, tokenizer: PreTrainedTokenizerBase
+) -> None:
+    """--eval-dataset: the first documents of the eval files make the eval batches, identical for every shard seed;
+    training reads every document of --dataset (held-out hashes no longer apply) except those the eval read."""
+    train_docs, eval_docs = make_documents(120, seed=1), make_documents(30, seed=2)
+    eval_docs = [doc.replace("document", "evaluation") for doc in eval_docs]
+    corpus = write_text_corpus(tmp_path / "train.txt", train_docs + eval_docs[:5])  # the corpus holds 5 eval docs
+    evaluation = write_text_corpus(tmp_path / "eval.txt", eval_docs)
+    section = DataSection(dataset=str(corpus), eval_dataset=str(evaluation), seq_len=16, batch_size=2, eval_batches=3)
+    first, second = (load_text_data(section, tokenizer, shard_seed=seed) for seed in (0, 1))
+    assert all(torch.equal(a, b) for a, b in zip(first.eval_batches, second.eval_batches))
+    evaluated = tokenizer.decode(torch.cat([b.flatten() for b in first.eval_batches]).tolist())
+    assert evaluated.startswith(eval_docs[0] + EOS + "evaluation 1 begins")
+    trained = decoded_documents(list(itertools.islice(first.train_batches(), 400)), tokenizer)
+    assert set(train_docs) <= set(trained) and not set(eval_docs[:5]) & set(trained)
+
+
+def test_an_unreadable_or_too_small_eval_dataset_is_a_clear_error(
+    tmp_path: Path, tokenizer: PreTrainedTokenizerBase
+) -> None:
+    corpus = write_text_corpus(tmp_path / "train.txt", make_documents(50))
+    missing = DataSection(dataset=str(corpus), eval_dataset=str(tmp_path / "nope.txt"))
+    with pytest.raises(DatasetLoadError, match="does not exist"):
+        load_text_data(missing, tokenizer, shard_seed=0)
+    tiny = write_text_corpus(tmp_path / "tiny.txt", ["two words"])
+    with pytest.raises(DatasetLoadError, match="eval dataset '.*tiny.txt' has no sequence of 128 tokens"):
+        load_text_data(DataSection(dataset=str(corpus), eval_dataset=str(tiny)), tokenizer, shard_seed=0)
