@@ -276,8 +276,13 @@ class LearningUnit:
 
     # ------------------------------------------------------------------------------------ reporting, io
     def _evaluate(self, reason: events.EvalReason) -> None:
+        """Evaluate φ on the held-out batches. Its time is left out of the training loop's period (the step time that
+        sizes matchmaking windows and clock periods): an eval is no inner step."""
+        started = time.monotonic()
         with self.trainer.parameters_swapped(self.engine.global_params):
             self.last_eval = self.trainer.evaluate(self.data.eval_batches)
+        if self._last_step_end is not None:
+            self._last_step_end += time.monotonic() - started
         self.metrics.write(events.Eval(reason=reason, outer_round=self.outer_round, eval_loss=self.last_eval))
 
     def _write_probe(self) -> None:

@@ -253,6 +253,27 @@ def test_the_unit_counts_the_live_units_and_stops_at_its_wall_clock_time(make_pe
     assert past.unit.inner_step == 0, "a stop time already past: no training"
 
 
+def test_an_eval_is_left_out_of_the_step_period(make_peer: PeerFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The step period sizes matchmaking windows: an eval between two steps (here one that takes 1000 s of the
+    monotonic clock) does not lengthen it (counted, the averaged period would pass 100 s)."""
+    a = make_peer("a", FakeGroup(), outer__inner_steps=100)
+    inner_step(a)
+    inner_step(a)
+    real_monotonic, skipped = time.monotonic, [0.0]
+    monkeypatch.setattr(time, "monotonic", lambda: real_monotonic() + skipped[0])
+    evaluate = a.unit.trainer.evaluate
+
+    def slow_evaluate(batches: Sequence[torch.Tensor]) -> float:
+        skipped[0] += 1000.0
+        return evaluate(batches)
+
+    monkeypatch.setattr(a.unit.trainer, "evaluate", slow_evaluate)
+    a.unit._evaluate("outer_round")
+    inner_step(a)
+    step_time_s = a.unit.throughput.step_time_s
+    assert step_time_s is not None and step_time_s < 10.0
+
+
 # -------------------------------------------------------------------------------------------------- join
 def test_join_adopts_the_swarm_state_of_a_later_round(make_peer: PeerFactory) -> None:
     template = make_peer("template", FakeGroup()).unit
