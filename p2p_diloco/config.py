@@ -68,7 +68,7 @@ class InnerSection(_Section):
     optimizer: Literal["adamw", "sgd"] = Field(
         "adamw", description="inner optimizer; sgd (plain, no momentum) makes DiLoCo at H = 1 exactly data-parallel"
     )
-    inner_lr: float = Field(1e-3, gt=0.0, le=1.0, description="AdamW peak learning rate")
+    inner_lr: float = Field(1e-3, gt=0.0, le=1.0, description="peak learning rate of the inner optimizer")
     weight_decay: float = Field(0.1, ge=0.0, le=1.0, description="AdamW decoupled weight decay")
     warmup_steps: int = Field(20, ge=0, description="linear warm-up inner steps")
     decay_steps: int = Field(10_000, ge=1, description="cosine decay length in inner steps (then held at 10%)")
