@@ -152,16 +152,15 @@ class LocalSwarm:
         """One inner step of every unit went by."""
         self.now += 1
 
-    def _begin(self, averager: LocalAverager, begun: _Begun) -> None:
-        index = self._rounds.get((averager.key, begun.member), 0)
-        self._rounds[(averager.key, begun.member)] = index + 1
-        group = next(
-            number for number, members in enumerate(self.groups(averager.key, index)) if begun.member in members
-        )
-        slot = (averager.key, index, group)
+    def _begin(self, begun: _Begun) -> None:
+        """File a begun round under its group; the group completes with its last member."""
+        key = begun.averager.key
+        index = self._rounds.get((key, begun.member), 0)
+        self._rounds[(key, begun.member)] = index + 1
+        number, members = next((n, group) for n, group in enumerate(self.groups(key, index)) if begun.member in group)
+        slot = (key, index, number)
         self._waiting.setdefault(slot, []).append(begun)
-        expected = self.groups(averager.key, index)[group]
-        if len(self._waiting[slot]) == len(expected):
+        if len(self._waiting[slot]) == len(members):
             self._complete(self._waiting.pop(slot))
 
     def _complete(self, group: list[_Begun]) -> None:
@@ -206,7 +205,7 @@ class LocalAverager:
         self._in_flight = True
         begun = _Begun(self, self.member, [t.detach().clone() for t in proposal], float(weight), int(outer_round),
                        list(probe), tag, self.swarm.now)  # fmt: skip
-        self.swarm._begin(self, begun)
+        self.swarm._begin(begun)
         return True
 
     def deliver(self, outcome: RoundOutcome, arrives: int) -> None:
