@@ -279,9 +279,10 @@ def _data_parallel(method: Method, budget: Budget, work_dir: Path) -> MethodResu
     combined = config.inner.model_copy(update={"grad_accum": per_unit * method.units})
     loaded = load_model(config.model)
     trainer = InnerTrainer(loaded.model, combined, loaded.device)
-    streams = [_unit_data(config, loaded.tokenizer, member).train_batches() for member in range(method.units)]
+    data = [_unit_data(config, loaded.tokenizer, member) for member in range(method.units)]
+    streams = [unit_data.train_batches() for unit_data in data]
     batches = (batch for _ in itertools.count() for stream in streams for batch in itertools.islice(stream, per_unit))
-    eval_batches = _unit_data(config, loaded.tokenizer, 0).eval_batches
+    eval_batches = data[0].eval_batches
     steps, points, tokens = budget.steps(config, method.units), [], 0
     eval_at = set(_eval_steps(steps, budget.evals))
     for step in range(1, steps + 1):

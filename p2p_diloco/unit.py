@@ -51,7 +51,7 @@ logger = logging.getLogger(__name__)
 # 2 s kept each unit's DHT process at about 0.04 cores (the largest part of its background CPU).
 PROGRESS_EVERY_S = 10.0
 PROGRESS_TTL_S = 30.0
-SETTLED_DRIFT = 1e-6  # every live unit in a settle round, this close already: no more settle rounds
+SETTLED_DRIFT = 1e-6  # every finishing unit in a settle round, this close already: no more settle rounds
 
 
 class JoinError(UserError):
@@ -396,7 +396,7 @@ class LearningUnit:
                 averager.finish_round(window_s + FINAL_ROUND_SLACK_S + engine.plan.allreduce_timeout_s)
             )
             self._ended(end)
-            if end.group_size >= self._finishing() and end.member_drift <= SETTLED_DRIFT:
+            if end.member_drift <= SETTLED_DRIFT and end.group_size >= self._finishing():  # a census read if close
                 return
 
     def _exit_rounds(self, begins: list[RoundBegin], bound_s: float) -> None:
