@@ -114,12 +114,19 @@ class OuterSection(_Section):
         4, ge=0, le=16, description="rounds at exit that only average φ, so that units leaving together agree"
     )
     allreduce_timeout_s: float = Field(30.0, gt=0.0, description="bound on one all-reduce once a group formed")
-    sync_momentum: bool = Field(True, description="average the outer momentum with the parameters (2x bytes)")
+    sync_momentum: bool = Field(
+        True, description="average the outer momentum with the parameters (2x bytes; never at momentum 0: none to sync)"
+    )
     fragments: int = Field(1, ge=1, le=64, description="P: streaming fragments syncing on staggered schedules")
     max_in_flight: int = Field(2, ge=1, description="most rounds in flight at once (consensus rounds included)")
     codec: Literal["fp32", "fp16", "int8"] = Field(
         "fp32",
         description="wire codec: fp32 averages outer-step proposals, fp16/int8 compressed pseudo-gradients",
+    )
+    merge: Literal["mean", "rda"] = Field(
+        "mean",
+        description="how a group merges pseudo-gradients: their weighted mean, or rda (fp32 only: each tensor's norm "
+        "and unit direction averaged apart, embeddings by the mean; sends one more copy of the model per round)",
     )
     consensus_tolerance: float = Field(
         1e-3, gt=0.0, description="lossy codecs: a consensus round follows any round whose members' φ differed more"
@@ -137,6 +144,8 @@ class OuterSection(_Section):
             raise ValueError("--min-window-s must not exceed --max-window-s")
         if self.quorum > self.target_group_size:
             raise ValueError("--quorum must not exceed --target-group-size")
+        if self.merge == "rda" and self.codec != "fp32":
+            raise ValueError("--merge rda needs --codec fp32 (a lossy codec's error feedback assumes the mean)")
         return self
 
 

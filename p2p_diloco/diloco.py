@@ -11,6 +11,10 @@ averaged pseudo-gradient, exactly (tested against ``torch.optim.SGD``). When the
 split, a partial all-reduce or a late join), averaging proposals also averages φ and m: every round pulls
 the members' global parameters back together, which is the consensus mechanism of the swarm.
 
+Merge rule: the group's weighted mean of Δ by default; with radial-directional averaging (RDA, Decoupled DiLoCo) each
+tensor's norm and unit direction are averaged separately (:func:`radial_parts`, :func:`radial_merge`), embeddings
+by their plain mean.
+
 Overlap: the average of a round arrives τ inner steps after the unit sent its proposal, and the unit went
 on training meanwhile. :func:`merge_local_progress` keeps those τ steps: θ ← φ_new + (θ_now − θ_sent).
 """
@@ -82,6 +86,37 @@ def weighted_average(proposals: Sequence[Sequence[torch.Tensor]], weights: Seque
         torch.stack([weight / total * proposal[index] for proposal, weight in zip(proposals, weights)]).sum(dim=0)
         for index in range(len(proposals[0]))
     ]
+
+
+def radial_parts(pseudo_grad: Sequence[torch.Tensor], radial: Sequence[bool]) -> tuple[Tensors, torch.Tensor]:
+    """What a unit sends for a radial-directional merge: per tensor its unit direction Δ/‖Δ‖ (``radial``) or Δ itself
+    (the others, merged by their plain mean), and one vector of the radial tensors' norms ‖Δ‖ (0 for the others).
+    A zero Δ has a zero direction. Raises ValueError when ``radial`` does not hold one flag per tensor."""
+    if len(radial) != len(pseudo_grad):
+        raise ValueError(f"{len(radial)} radial flags for {len(pseudo_grad)} tensors")
+    norms = [float(delta.norm()) if flag else 0.0 for delta, flag in zip(pseudo_grad, radial)]
+    directions = [
+        _unit(delta, norm) if flag else delta.clone() for delta, flag, norm in zip(pseudo_grad, radial, norms)
+    ]
+    return directions, torch.tensor(norms)
+
+
+def radial_merge(directions: Sequence[torch.Tensor], norms: torch.Tensor, radial: Sequence[bool]) -> Tensors:
+    """Radial-directional averaging (RDA): the merged Δ from the group's means of :func:`radial_parts`. A radial
+    tensor gets the mean norm along the mean unit direction, ``n̄ · ū/‖ū‖`` (0 when ū is 0); the others are their plain
+    mean already. When every member's Δ points the same way this equals the weighted mean of the Δ's; unlike the mean,
+    it does not shrink an update whose members point in different directions."""
+    if not len(radial) == len(directions) == norms.numel():
+        raise ValueError(f"{len(radial)} radial flags, {len(directions)} directions and {norms.numel()} norms")
+    return [
+        _unit(direction, float(direction.norm())) * norm if flag else direction
+        for direction, norm, flag in zip(directions, norms.tolist(), radial)
+    ]
+
+
+def _unit(tensor: torch.Tensor, norm: float) -> torch.Tensor:
+    """``tensor / norm``; zeros for a zero norm."""
+    return tensor / norm if norm > 0 else torch.zeros_like(tensor)
 
 
 def merge_local_progress(

@@ -22,7 +22,7 @@ import logging
 import re
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -120,6 +120,14 @@ def load_model(section: ModelSection) -> LoadedModel:
         fingerprint,
     )
     return LoadedModel(model=model, tokenizer=tokenizer, device=device, fingerprint=fingerprint)
+
+
+def embedding_indices(model: torch.nn.Module, trained: Sequence[torch.Tensor]) -> frozenset[int]:
+    """Positions in ``trained`` of the parameters of the model's embedding layers (token and position embeddings;
+    a tied output layer shares the token embedding's)."""
+    owned = {id(param) for module in model.modules() if isinstance(module, torch.nn.Embedding)
+             for param in module.parameters()}  # fmt: skip
+    return frozenset(index for index, param in enumerate(trained) if id(param) in owned)
 
 
 def export_pretrained(

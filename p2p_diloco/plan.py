@@ -4,7 +4,7 @@ units meet and share state (:class:`KeySchema`). The round engine (rounds.py) ru
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -28,8 +28,8 @@ class KeySchema:
       id, model fingerprint and number of fragments P match; codec, momentum sync, outer step, consensus rounds,
       quorum, group size, windows and timeouts do not matter.
     * ``{run}_{model}_p{P}_f{p}_r{digest}``, fragment p's rounds: units meet when, beyond run, model and P, what a
-      round carries (payload and codec) and the outer step (lr, momentum, Nesterov) match; ``digest`` hashes those.
-      Units of other round settings never meet, so they never average payloads that mean different things.
+      round carries (payload, codec, merge rule) and the outer step (lr, momentum, Nesterov) match; ``digest`` hashes
+      those. Units of other round settings never meet, so they never average payloads that mean different things.
     * ``{run}_{model}_p{P}_f{p}_consensus``, fragment p's consensus rounds (fp32 φ_p, lossy codecs only): units of
       any codec and outer step meet, since φ_p means the same for all of them.
     * ``{run}_{model}_p{P}_settle``, the settle rounds at exit (fp32 φ, whole): units of any round settings meet.
@@ -80,11 +80,14 @@ class RoundPlan:
     quorum: int
     target_group_size: int
     allreduce_timeout_s: float
+    mean_merged: frozenset[int] | None = None  # RDA: the tensors merged by their mean (embeddings); None: mean merge
 
     @classmethod
-    def from_config(cls, outer: OuterSection, shapes: Sequence[torch.Size | Sequence[int]]) -> RoundPlan:
-        """The plan of a unit whose trained tensors have ``shapes``. Raises ConfigError when the model cannot be
-        split into ``outer.fragments`` fragments."""
+    def from_config(cls, outer: OuterSection, shapes: Sequence[torch.Size | Sequence[int]],
+                    embeddings: Collection[int] = ()) -> RoundPlan:  # fmt: skip
+        """The plan of a unit whose trained tensors have ``shapes`` (``embeddings``: the positions of the embedding
+        tensors, merged by their mean under RDA). Raises ConfigError when the model cannot be split into
+        ``outer.fragments`` fragments."""
         try:
             fragments = tuple(partition(shapes, outer.fragments))
         except ValueError as error:
@@ -92,7 +95,8 @@ class RoundPlan:
         if outer.codec != "fp32":
             payload = Payload.PSEUDO_GRADIENT
         else:
-            payload = Payload.PROPOSAL_WITH_MOMENTUM if outer.sync_momentum else Payload.PROPOSAL
+            synced = outer.sync_momentum and outer.outer_momentum > 0  # at momentum 0, m is never used
+            payload = Payload.PROPOSAL_WITH_MOMENTUM if synced else Payload.PROPOSAL
         lossy = payload is Payload.PSEUDO_GRADIENT
         return cls(
             fragments=fragments,
@@ -112,6 +116,7 @@ class RoundPlan:
             quorum=outer.quorum,
             target_group_size=outer.target_group_size,
             allreduce_timeout_s=outer.allreduce_timeout_s,
+            mean_merged=frozenset(embeddings) if outer.merge == "rda" else None,
         )
 
     @property
@@ -128,12 +133,26 @@ class RoundPlan:
         """Where this plan's units meet and share state (see :class:`KeySchema`)."""
         carried = f"payload={self.payload.value};codec={self.codec}"
         step = f"lr={self.hyper.lr!r};momentum={self.hyper.momentum!r};nesterov={self.hyper.nesterov}"
+        step += "" if self.mean_merged is None else ";merge=rda"
         digest = hashlib.blake2b(f"{carried};{step}".encode(), digest_size=5).hexdigest()
         return KeySchema(run_id, fingerprint, len(self.fragments), digest)
 
+    def radial(self, fragment: Fragment) -> tuple[bool, ...] | None:
+        """RDA: per piece of ``fragment``, whether it is merged by norm and direction (not an embedding); None for
+        the mean merge."""
+        if self.mean_merged is None:
+            return None
+        return tuple(piece.index not in self.mean_merged for piece in fragment.pieces)
+
     def round_templates(self, trained: Sequence[torch.Tensor]) -> list[Tensors]:
-        """Per fragment, tensors shaped like one round's payload (its pieces, once or twice)."""
-        return [views(trained, fragment) * self.payload.copies for fragment in self.fragments]
+        """Per fragment, tensors shaped like one round's payload (its pieces, once or twice; with RDA, then the
+        pieces' directions and one vector of their norms)."""
+        templates = []
+        for fragment in self.fragments:
+            pieces = views(trained, fragment)
+            extra = [] if self.mean_merged is None else [*pieces, torch.zeros(len(pieces))]
+            templates.append(pieces * self.payload.copies + extra)
+        return templates
 
     def consensus_templates(self) -> list[Tensors]:
         """Per fragment, a tensor shaped like one consensus round's payload (φ_p flat)."""

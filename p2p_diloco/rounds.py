@@ -208,6 +208,7 @@ class RoundEngine:
             self.plan.payload,
             error_feedback=ErrorFeedback() if feedback else None,
             roundtrip=functools.partial(roundtrip, codec=self.plan.codec) if feedback else None,
+            radial=self.plan.radial(fragment),
         )
 
     def _restart_schedules(self) -> None:
@@ -317,8 +318,7 @@ class RoundEngine:
 
     def _begin_mix(self, number: int, due: MixDue, window_s: float) -> RoundBegin:
         rounds = self.fragments[number]
-        phi, moment = copies(self.global_params, rounds.fragment), copies(self.momentum, rounds.fragment)
-        payload = phi + (moment if self.plan.payload is Payload.PROPOSAL_WITH_MOMENTUM else [])
+        payload = rounds.mix_payload(self.global_params, self.momentum)
         probe = consensus_probe(views(self.global_params, rounds.fragment), self.probe_indices[number])
         begun = self.averagers[number].begin_round(
             payload, weight=due.weight, outer_round=rounds.outer_round, window_s=window_s, probe=probe, tag="mix",
@@ -532,7 +532,8 @@ class RoundEngine:
         if status is RoundStatus.MERGED:
             assert outcome.averaged is not None
             count = len(rounds.fragment.pieces)
-            phi, moment = outcome.averaged[:count], outcome.averaged[count:]
+            phi = outcome.averaged[:count]
+            moment = outcome.averaged[count : 2 * count] if self.plan.payload is Payload.PROPOSAL_WITH_MOMENTUM else []
             moved = [now + (new - old) for now, new, old in zip(copies(self.local, rounds.fragment), phi, sent)]
             assign(self.global_params, rounds.fragment, phi)
             assign(self.local, rounds.fragment, moved)

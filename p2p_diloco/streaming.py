@@ -15,7 +15,12 @@ Two kinds of payload (:class:`Payload`, chosen by the round plan from the codec,
   probes of φ_p differed by more than a tolerance. The momenta are not re-averaged: their disagreement stays
   bounded because each round multiplies it by μ < 1.
 
-Merge rule (both payloads): when fragment p's average arrives τ inner steps after it was sent (τ is whatever the
+With ``merge = "rda"`` (fp32 only) a proposal payload carries φ_p (and m_p) as they were, each piece's unit direction
+of Δ_p and one vector of the pieces' norms (diloco.py: :func:`radial_parts`); each member then takes the outer step
+from the group's mean φ_p and m_p on the radial-directional merge of Δ_p. Averaging φ_p and m_p pulls members together
+as proposals do; the step equals the proposal average whenever the members' Δ_p are parallel.
+
+Overlap rule (every payload): when fragment p's average arrives τ inner steps after it was sent (τ is whatever the
 network took: the inner loop never waits), φ_p ← merged value and θ_p ← φ_p + (θ_p,now − θ_p,sent): the τ overlapped
 steps' progress on fragment p is kept; other fragments are untouched.
 """
@@ -29,7 +34,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from p2p_diloco.diloco import OuterHyperparams, outer_step, pseudo_gradient
+from p2p_diloco.diloco import OuterHyperparams, outer_step, pseudo_gradient, radial_merge, radial_parts
 from p2p_diloco.fragments import Fragment, copies, first_round_offset, views
 
 if TYPE_CHECKING:
@@ -57,7 +62,7 @@ class SentRound:
     """A fragment round in flight: θ_p when it was sent and what it carries."""
 
     local_at_send: Tensors
-    momentum_proposal: Tensors  # proposal payload without sync_momentum: the unit's own m'_p
+    momentum_proposal: Tensors  # proposal payload without sync_momentum: the unit's own m'_p (RDA: m_p before it)
     tokens: int
     compute_s: float
     inner_step: int
@@ -73,6 +78,7 @@ class FragmentRounds:
     payload_kind: Payload
     error_feedback: ErrorFeedback | None = None  # lossy codecs: what the codec dropped rides on the next Δ_p
     roundtrip: Roundtrip | None = None  # what receivers decode of a sent tensor (needed with error_feedback)
+    radial: tuple[bool, ...] | None = None  # RDA (proposal payloads): per piece, merged by norm and direction
     outer_round: int = 0
     steps_since_round: int = 0
     tokens_since_round: int = 0
@@ -101,9 +107,23 @@ class FragmentRounds:
         delta = pseudo_gradient(phi, local_at_send)
         if self.payload_kind is Payload.PSEUDO_GRADIENT:
             return (self.error_feedback.compensate(delta) if self.error_feedback else delta), []
+        if self.radial is not None:
+            directions, norms = radial_parts(delta, self.radial)
+            return phi + (moment if self._synced else []) + directions + [norms], moment
         params_proposal, momentum_proposal = outer_step(phi, moment, delta, hyper)
-        synced = momentum_proposal if self.payload_kind is Payload.PROPOSAL_WITH_MOMENTUM else []
-        return params_proposal + synced, momentum_proposal
+        return params_proposal + (momentum_proposal if self._synced else []), momentum_proposal
+
+    @property
+    def _synced(self) -> bool:
+        return self.payload_kind is Payload.PROPOSAL_WITH_MOMENTUM
+
+    def mix_payload(self, global_params: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor]) -> Tensors:
+        """A mix round's payload, shaped like a round's: φ_p (and m_p), with RDA then zeros in the other places."""
+        phi = copies(global_params, self.fragment)
+        payload = phi + (copies(momentum, self.fragment) if self._synced else [])
+        if self.radial is not None:
+            payload += [torch.zeros_like(piece) for piece in phi] + [torch.zeros(len(phi))]
+        return payload
 
     def mark_sent(self, payload: Tensors, local_at_send: Tensors, momentum_proposal: Tensors, inner_step: int) -> None:
         """The averager took ``payload`` (from :meth:`payload`): the round is in flight, the counters start over, and
@@ -122,8 +142,11 @@ class FragmentRounds:
         if self.payload_kind is Payload.PSEUDO_GRADIENT:
             return outer_step(copies(global_params, self.fragment), copies(momentum, self.fragment), averaged, hyper)
         count = len(self.fragment.pieces)
-        synced = self.payload_kind is Payload.PROPOSAL_WITH_MOMENTUM
-        return averaged[:count], (averaged[count:] if synced else sent.momentum_proposal)
+        phi, rest = averaged[:count], averaged[count:]
+        moment, rest = (rest[:count], rest[count:]) if self._synced else (sent.momentum_proposal, rest)
+        if self.radial is None:
+            return phi, moment
+        return outer_step(phi, moment, radial_merge(rest[:count], rest[count], self.radial), hyper)
 
 
 def consensus_payload(global_params: Sequence[torch.Tensor], fragment: Fragment) -> torch.Tensor:

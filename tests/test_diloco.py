@@ -15,6 +15,8 @@ from p2p_diloco.diloco import (
     outer_step,
     probe_drift,
     pseudo_gradient,
+    radial_merge,
+    radial_parts,
     weighted_average,
 )
 
@@ -208,3 +210,37 @@ def test_probe_drift_of_a_known_pair() -> None:
 def test_identical_probes_have_zero_drift(units: int) -> None:
     probe = (torch.randn(1024, generator=torch.Generator().manual_seed(0)) * 0.02 + 1.0).tolist()
     assert probe_drift([probe] * units) == 0.0
+
+
+# ----------------------------------------------------------------------------- radial-directional averaging
+def _rda(deltas: list[list[torch.Tensor]], weights: list[float], radial: list[bool]) -> list[torch.Tensor]:
+    """The RDA merge of several members' Δ, as a group computes it: the weighted means of their parts."""
+    parts = [radial_parts(delta, radial) for delta in deltas]
+    directions = weighted_average([part[0] for part in parts], weights)
+    (norms,) = weighted_average([[part[1]] for part in parts], weights)
+    return radial_merge(directions, norms, radial)
+
+
+def test_rda_equals_the_weighted_mean_when_every_pseudo_gradient_points_the_same_way() -> None:
+    torch.manual_seed(0)
+    direction = [torch.randn(5, 3), torch.randn(4), torch.randn(6, 2)]
+    deltas = [[scale * tensor for tensor in direction] for scale in (0.5, 2.0, 3.0)]
+    weights = [1.0, 3.0, 2.0]
+    for merged, mean in zip(_rda(deltas, weights, [True, True, False]), weighted_average(deltas, weights)):
+        torch.testing.assert_close(merged, mean)
+
+
+def test_rda_keeps_the_mean_norm_where_the_mean_shrinks_and_leaves_mean_merged_tensors_alone() -> None:
+    east, north = torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0])
+    deltas = [[2 * east, 2 * east], [2 * north, 2 * north]]
+    radial, plain = _rda(deltas, [1.0, 1.0], [True, False])
+    torch.testing.assert_close(radial, torch.tensor([2.0, 2.0]) / 2**0.5)  # norm 2, the mean direction
+    torch.testing.assert_close(plain, torch.tensor([1.0, 1.0]))  # the plain mean (norm √2)
+
+
+def test_rda_of_zero_or_opposite_pseudo_gradients_is_zero_and_bad_flags_are_refused() -> None:
+    zero, opposite = _rda([[torch.zeros(3)]], [1.0], [True]), _rda([[torch.ones(3)], [-torch.ones(3)]], [1.0, 1.0],
+                                                                   [True])  # fmt: skip
+    assert torch.equal(zero[0], torch.zeros(3)) and torch.equal(opposite[0], torch.zeros(3))
+    with pytest.raises(ValueError, match="radial flags"):
+        radial_parts([torch.ones(2)], [True, False])

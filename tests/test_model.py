@@ -15,7 +15,14 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import p2p_diloco
 from p2p_diloco.config import ModelSection
-from p2p_diloco.model import ModelLoadError, export_pretrained, load_model, model_fingerprint, resolve_device
+from p2p_diloco.model import (
+    ModelLoadError,
+    embedding_indices,
+    export_pretrained,
+    load_model,
+    model_fingerprint,
+    resolve_device,
+)
 
 TINY = Path(p2p_diloco.__file__).parent / "assets" / "tiny-gpt2"
 
@@ -176,3 +183,12 @@ def test_export_replaces_only_a_complete_directory(tmp_path: Path) -> None:
     export_pretrained(second.model, second.tokenizer, save_dir)
     assert_same_weights(second.model, AutoModelForCausalLM.from_pretrained(save_dir))
     assert [path.name for path in tmp_path.iterdir()] == ["final"]
+
+
+def test_embedding_indices_name_the_token_and_position_embeddings() -> None:
+    loaded = load_model(ModelSection(model_config_path=str(TINY), device="cpu"))
+    trained = [param for param in loaded.model.parameters() if param.requires_grad]
+    names = [name for name, param in loaded.model.named_parameters() if param.requires_grad]
+    assert {names[index] for index in embedding_indices(loaded.model, trained)} == {
+        "transformer.wte.weight", "transformer.wpe.weight"
+    }  # fmt: skip

@@ -43,19 +43,21 @@ ROUND_SETTINGS = [
     {"outer_lr": 0.5},
     {"outer_momentum": 0.8},
     {"nesterov": False},
+    {"merge": "rda"},
 ]
 
 
 def plan_of(**outer: Any) -> RoundPlan:
-    """A plan of ``outer`` settings on the steps schedule unless told (the engine tests count steps; the clock
-    schedule has its own tests)."""
-    return RoundPlan.from_config(OuterSection(**{"schedule": "steps", **outer}), SHAPES)
+    """A plan of ``outer`` settings on the steps schedule and with an outer momentum unless told (the engine tests
+    count steps; the clock schedule has its own tests)."""
+    return RoundPlan.from_config(OuterSection(**{"schedule": "steps", "outer_momentum": 0.9, **outer}), SHAPES)
 
 
 # ------------------------------------------------------------------------------------------------------ plan
 def test_the_codec_decides_what_a_round_carries_and_whether_consensus_rounds_run() -> None:
     assert plan_of().payload is Payload.PROPOSAL_WITH_MOMENTUM and not plan_of().consensus
     assert plan_of(sync_momentum=False).payload is Payload.PROPOSAL
+    assert plan_of(outer_momentum=0.0).payload is Payload.PROPOSAL, "at momentum 0 m is never used: never sent"
     lossy = plan_of(codec="int8", consensus_every_rounds=3)
     assert lossy.payload is Payload.PSEUDO_GRADIENT and lossy.consensus and lossy.error_feedback
     assert not plan_of(codec="fp16", consensus_every_rounds=0).consensus
@@ -211,6 +213,48 @@ def test_the_engine_refuses_averagers_that_do_not_match_its_plan() -> None:
     averagers = [FakeGroup().averager(template) for template in plan.round_templates(local)]
     with pytest.raises(ValueError, match="consensus"):
         RoundEngine(plan, averagers, local=local)  # consensus rounds need their own averagers
+
+
+def _merged_phi(sync_momentum: bool, merge: str, scales: tuple[float, ...]) -> list[torch.Tensor]:
+    """φ after one round of units whose Δ are ``scales`` × one direction (weights 1, 2, ...: their steps)."""
+    plan = plan_of(inner_steps=1, sync_momentum=sync_momentum, merge=merge, quorum=1)
+    group = FakeGroup()
+    engines = [engine_of(plan, [group], unit=f"u{index}") for index in range(len(scales))]
+    torch.manual_seed(1)
+    direction = [torch.randn(shape) for shape in SHAPES]
+    for index, (engine, scale) in enumerate(zip(engines, scales)):
+        with torch.no_grad():
+            for theta, step in zip(engine.local, direction):
+                theta.sub_(scale * step)
+        for _ in range(index + 1):
+            engine.record_step(TOKENS, 0.1)
+        engine.fragments[0].steps_since_round = 1
+    for engine in engines:
+        assert engine.begin_due(0.1)[0].status is RoundStatus.BEGUN
+    ends = [engine.poll() for engine in engines]
+    assert all(end.status is RoundStatus.MERGED for (end,) in ends)
+    assert all(
+        torch.equal(a, b) for other in engines[1:] for a, b in zip(engines[0].global_params, other.global_params)
+    )
+    return engines[0].global_params
+
+
+@pytest.mark.parametrize("sync_momentum", [True, False])
+def test_an_rda_round_of_parallel_pseudo_gradients_equals_the_mean_round(sync_momentum: bool) -> None:
+    for rda, mean in zip(_merged_phi(sync_momentum, "rda", (1.0, 3.0)), _merged_phi(sync_momentum, "mean", (1.0, 3.0))):
+        torch.testing.assert_close(rda, mean)
+
+
+def test_rda_carries_directions_and_norms_and_needs_fp32() -> None:
+    trained = [torch.zeros(shape) for shape in SHAPES]
+    plan = RoundPlan.from_config(OuterSection(merge="rda", fragments=2, outer_momentum=0.9), SHAPES, embeddings={0})
+    for fragment, template in zip(plan.fragments, plan.round_templates(trained)):
+        pieces = len(fragment.pieces)
+        assert len(template) == 3 * pieces + 1 and template[-1].shape == (pieces,)  # φ'_p, m'_p, directions, norms
+        assert plan.radial(fragment) == tuple(piece.index != 0 for piece in fragment.pieces)
+    assert plan_of().radial(plan.fragments[0]) is None
+    with pytest.raises(ValueError, match="fp32"):
+        OuterSection(merge="rda", codec="int8")
 
 
 # ------------------------------------------------------------------------------- the schema on a real DHT

@@ -17,7 +17,7 @@ from p2p_diloco.config import PeerConfig, load_config
 from p2p_diloco.data import load_text_data, shard_seed
 from p2p_diloco.events import E, read_events
 from p2p_diloco.metrics import MetricsLog
-from p2p_diloco.model import load_model
+from p2p_diloco.model import embedding_indices, load_model
 from p2p_diloco.plan import RoundPlan
 from p2p_diloco.presets import CORPUS, TINY_MODEL
 from p2p_diloco.state_sync import SwarmState
@@ -61,6 +61,7 @@ def make_config(work_dir: Path, **overrides: Any) -> PeerConfig:
         inner__warmup_steps=0,
         outer__inner_steps=2,
         outer__schedule="steps",  # these units count steps; the clock schedule's tests set it
+        outer__outer_momentum=0.9,  # the outer momentum and its sync in play (SYNC_DATA_PARALLEL: a plain average)
         run__work_dir=str(work_dir),
         run__progress=False,
     )
@@ -88,7 +89,9 @@ def make_peer(tmp_path: Path) -> Iterator[PeerFactory]:
         loaded = load_model(config.model)  # same seed ⇒ same initial weights on every unit
         data = load_text_data(config.data, loaded.tokenizer, shard_seed(config.model.seed, name))
         trained = [param for param in loaded.model.parameters() if param.requires_grad]
-        plan = RoundPlan.from_config(config.outer, [param.shape for param in trained])
+        plan = RoundPlan.from_config(
+            config.outer, [param.shape for param in trained], embedding_indices(loaded.model, trained)
+        )
         groups = [group] if isinstance(group, FakeGroup) else list(group)
         averagers = [g.averager(t, name) for g, t in zip(groups, plan.round_templates(trained), strict=True)]
         templates = plan.consensus_templates() if consensus_groups else []
