@@ -11,11 +11,13 @@ evaluated on the same held-out batches.
 
 What :class:`LocalSwarm` does not model: compressed parts are decoded by the receivers only (a member's own
 proposal enters its average exact, as in hivemind, but every receiver decodes the same bytes, so members of one group
-agree exactly); rounds never fail (a round that finds nobody completes alone, as with quorum 1).
+agree exactly); a round fails only for a group below the quorum (with quorum 1 a unit drawn alone completes alone).
 """
 
 from __future__ import annotations
 
+import argparse
+import ast
 import itertools
 import random
 import tempfile
@@ -35,7 +37,7 @@ from p2p_diloco.data import TextData, load_text_data, shard_seed
 from p2p_diloco.diloco import probe_drift
 from p2p_diloco.inner import InnerTrainer
 from p2p_diloco.metrics import MetricsLog
-from p2p_diloco.model import load_model
+from p2p_diloco.model import embedding_indices, export_pretrained, load_model
 from p2p_diloco.plan import RoundPlan
 from p2p_diloco.records import PeerProgress, PendingProgress
 from p2p_diloco.state_sync import SwarmState
@@ -92,7 +94,7 @@ class Budget:
 
 @dataclass(frozen=True)
 class EvalPoint:
-    tokens: int  # consumed by all units together
+    tokens: int  # consumed by all units together (0: before training)
     loss: float  # data-parallel: its model; diloco: the units' mean φ (what they would agree on)
     unit_losses: tuple[float, ...] = ()  # diloco: each unit's own φ
 
@@ -110,6 +112,11 @@ class MethodResult:
     @property
     def final_loss(self) -> float:
         return self.points[-1].loss
+
+    @property
+    def start_loss(self) -> float:
+        """The eval loss before any training (the pretrained start when fine-tuning)."""
+        return self.points[0].loss
 
 
 # ------------------------------------------------------------------------------------------------ the local swarm
@@ -130,8 +137,10 @@ class LocalSwarm:
     members drawn for it (:meth:`groups`); it completes when all of them began it and arrives ``delay_steps`` ticks
     after that. Drawn from ``seed`` alone, so a schedule is reproducible."""
 
-    def __init__(self, members: int, alone_p: float, delay_steps: int, seed: int, codec: Codec = "fp32"):
+    def __init__(self, members: int, alone_p: float, delay_steps: int, seed: int, codec: Codec = "fp32",
+                 quorum: int = 1):  # fmt: skip
         self.members, self.alone_p, self.delay_steps, self.seed, self.codec = members, alone_p, delay_steps, seed, codec
+        self.quorum = quorum
         self.now = 0
         self.group_sizes: list[int] = []
         self._waiting: dict[tuple[str, int, int], list[_Begun]] = {}  # (key, round index, group) -> begun
@@ -168,6 +177,11 @@ class LocalSwarm:
         total = sum(begun.weight for begun in group)
         arrives = max(begun.tick for begun in group) + 1 + self.delay_steps  # polled after the tick of its begin
         self.group_sizes.extend([len(group)] * len(group))
+        if len(group) < self.quorum:
+            for own in group:
+                own.averager.deliver(RoundOutcome(None, len(group), own.outer_round, total, float(own.tick),
+                                                  float(arrives), error="below the quorum"), arrives)  # fmt: skip
+            return
         for own in group:
             parts = [begun.proposal if begun is own else [roundtrip(t, self.codec) for t in begun.proposal]
                      for begun in group]  # fmt: skip
@@ -268,7 +282,7 @@ def _eval_steps(steps: int, evals: int) -> list[int]:
     return sorted({max(1, round(steps * k / evals)) for k in range(1, evals + 1)})
 
 
-def _unit_data(config: PeerConfig, tokenizer: Any, member: int) -> TextData:
+def unit_data(config: PeerConfig, tokenizer: Any, member: int) -> TextData:
     """Unit ``member``'s data: its own order of the training documents, the held-out batches every unit shares."""
     return load_text_data(config.data, tokenizer, shard_seed(config.model.seed, f"unit{member}"))
 
@@ -279,11 +293,11 @@ def _data_parallel(method: Method, budget: Budget, work_dir: Path) -> MethodResu
     combined = config.inner.model_copy(update={"grad_accum": per_unit * method.units})
     loaded = load_model(config.model)
     trainer = InnerTrainer(loaded.model, combined, loaded.device)
-    data = [_unit_data(config, loaded.tokenizer, member) for member in range(method.units)]
+    data = [unit_data(config, loaded.tokenizer, member) for member in range(method.units)]
     streams = [unit_data.train_batches() for unit_data in data]
     batches = (batch for _ in itertools.count() for stream in streams for batch in itertools.islice(stream, per_unit))
     eval_batches = data[0].eval_batches
-    steps, points, tokens = budget.steps(config, method.units), [], 0
+    steps, points, tokens = budget.steps(config, method.units), [EvalPoint(0, trainer.evaluate(eval_batches))], 0
     eval_at = set(_eval_steps(steps, budget.evals))
     for step in range(1, steps + 1):
         tokens += trainer.train_step(batches).tokens
@@ -295,10 +309,12 @@ def _data_parallel(method: Method, budget: Budget, work_dir: Path) -> MethodResu
 def _diloco(method: Method, budget: Budget, work_dir: Path) -> MethodResult:
     outer = {f"outer__{name}": value for name, value in method.outer.items()}
     configs = [budget.config(work_dir / f"unit{member}", **outer) for member in range(method.units)]
-    swarm = LocalSwarm(method.units, method.alone_p, method.delay_steps, budget.seed, configs[0].outer.codec)
+    outer_section = configs[0].outer
+    swarm = LocalSwarm(method.units, method.alone_p, method.delay_steps, budget.seed, outer_section.codec,
+                       outer_section.quorum)  # fmt: skip
     units = [_local_unit(config, member, swarm) for member, config in enumerate(configs)]
     streams = [unit.data.train_batches() for unit in units]
-    steps, points = budget.steps(configs[0], method.units), []
+    steps, points = budget.steps(configs[0], method.units), [_evaluate(units)]
     eval_at = set(_eval_steps(steps, budget.evals))
     try:
         for step in range(1, steps + 1):
@@ -336,14 +352,16 @@ def _local_unit(config: PeerConfig, member: int, swarm: LocalSwarm) -> LearningU
     """A learning unit whose averagers meet in ``swarm`` (same seed: every unit starts from the same weights)."""
     loaded = load_model(config.model)
     trained = [param for param in loaded.model.parameters() if param.requires_grad]
-    plan = RoundPlan.from_config(config.outer, [param.shape for param in trained])
+    plan = RoundPlan.from_config(
+        config.outer, [param.shape for param in trained], embedding_indices(loaded.model, trained)
+    )
     averagers = [swarm.averager(f"fragment{number}", member, template)
                  for number, template in enumerate(plan.round_templates(trained))]  # fmt: skip
     consensus = [swarm.averager(f"consensus{number}", member, template)
                  for number, template in enumerate(plan.consensus_templates())] if plan.consensus else []  # fmt: skip
     network = UnitNetwork(averagers, consensus, _NoStateServer(), _NoRecords(), f"unit{member}")
     metrics = MetricsLog(Path(config.run.work_dir) / "metrics.jsonl")
-    return LearningUnit(config, plan, loaded, _unit_data(config, loaded.tokenizer, member), network, metrics)
+    return LearningUnit(config, plan, loaded, unit_data(config, loaded.tokenizer, member), network, metrics)
 
 
 def _evaluate(units: Sequence[LearningUnit]) -> EvalPoint:
@@ -374,3 +392,39 @@ def run_comparison(
             results.append(run_method(method, budget, Path(scratch) / method.name))
             report(results[-1])
     return results
+
+
+@dataclass(frozen=True)
+class Pretrained:
+    path: Path
+    steps: int
+    tokens: int
+    start_loss: float  # held-out, before training
+    final_loss: float
+
+
+def pretrain(budget: Budget, out: Path) -> Pretrained:
+    """Train one model on ``budget.tokens`` tokens of its settings' data with a plain inner loop (no rounds) and
+    export it to ``out`` (a Hugging Face folder, replaced atomically): a pretrained start for fine-tuning."""
+    config = budget.config(out.parent / f".{out.name}-work")
+    loaded = load_model(config.model)
+    trainer = InnerTrainer(loaded.model, config.inner, loaded.device)
+    data = unit_data(config, loaded.tokenizer, 0)
+    batches, start, tokens, steps = data.train_batches(), trainer.evaluate(data.eval_batches), 0, 0
+    while tokens < budget.tokens:
+        tokens += trainer.train_step(batches).tokens
+        steps += 1
+    export_pretrained(loaded.model, loaded.tokenizer, out)
+    return Pretrained(out, steps, tokens, start, trainer.evaluate(data.eval_batches))
+
+
+def parse_assignment(text: str) -> tuple[str, Any]:
+    """``name=value`` of a command line: the value as a Python literal, else as a plain string (a path, a codec
+    name). Raises argparse.ArgumentTypeError without '='."""
+    name, separator, value = text.partition("=")
+    if not separator or not name:
+        raise argparse.ArgumentTypeError(f"expected name=value, got {text!r}")
+    try:
+        return name, ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return name, value  # a plain string (a path, a codec name)

@@ -13,33 +13,43 @@ from bench.quality import Budget, MethodResult
 
 
 def result_row(result: MethodResult) -> dict[str, Any]:
-    return {**dataclasses.asdict(result), "final_loss": result.final_loss}
+    return {**dataclasses.asdict(result), "final_loss": result.final_loss, "start_loss": result.start_loss}
 
 
 def gap_percent(loss: float, reference: float) -> float:
     return 100.0 * (loss - reference) / reference
 
 
+def data_parallel_loss(rows: Sequence[dict[str, Any]], units: int) -> float | None:
+    """The final eval loss of data-parallel with ``units`` units' combined batch, else of the first data-parallel
+    row (None without one)."""
+    data_parallel = [row for row in rows if row["method"]["kind"] == "data-parallel"]
+    same = [row for row in data_parallel if row["method"]["units"] == units]
+    return (same or data_parallel or [{"final_loss": None}])[0]["final_loss"]
+
+
 def markdown(rows: Sequence[dict[str, Any]], budget: Budget, command: str, environment: str) -> str:
-    """Rows by method, the gap of each final eval loss to data-parallel's (the first data-parallel row)."""
-    reference = next((row["final_loss"] for row in rows if row["method"]["kind"] == "data-parallel"), None)
+    """Rows by method, the gap of each final eval loss to its start and to data-parallel's with the same units (the
+    combined batch; else the first data-parallel row)."""
     lines = [
         "# Quality at equal tokens (one process, no network)", "", "Reproduce:", "", f"    {command}", "",
         environment, "",
         f"Budget: {budget.tokens:,} tokens over all units; settings {budget.settings or 'of the tiny preset'}; "
         f"seed {budget.seed}.", "",
         "| method | units | alone p | delay steps | outer | tokens | inner steps per unit | rounds | mean group "
-        "| final eval loss | vs data-parallel | seconds |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| start eval loss | final eval loss | vs start | vs data-parallel (same units) | seconds |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]  # fmt: skip
     for row in rows:
         method = row["method"]
+        reference = data_parallel_loss(rows, method["units"])
         gap = "" if reference is None else f"{gap_percent(row['final_loss'], reference):+.2f}%"
         outer = ", ".join(f"{key}={value}" for key, value in method["outer"].items()) or "defaults"
         lines.append(
             f"| {method['name']} | {method['units']} | {method['alone_p']:g} | {method['delay_steps']} | {outer} "
             f"| {row['tokens']:,} | {row['inner_steps']} | {row['rounds']} | {row['mean_group']:.2f} "
-            f"| {row['final_loss']:.4f} | {gap} | {row['seconds']:.0f} |"
+            f"| {row['start_loss']:.4f} | {row['final_loss']:.4f} "
+            f"| {gap_percent(row['final_loss'], row['start_loss']):+.2f}% | {gap} | {row['seconds']:.0f} |"
         )
     lines += ["", "Tokens: the budget rounded down to whole rounds of every method. Eval loss: the held-out batches "
               "every unit shares; for DiLoCo methods, that of the units' mean φ at the end (after the last rounds "

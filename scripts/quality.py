@@ -3,6 +3,8 @@
 (bench/quality.py).
 
     .venv/bin/python scripts/quality.py --out results/quality --tokens 2000000 --units 1 2 4 8 --async-units 4
+    .venv/bin/python scripts/quality.py --out /tmp/sweep --tokens 500000 --units 2 4 --async-units \
+        --outer-sets outer_lr=0.7,outer_momentum=0.9 outer_lr=1.0,outer_momentum=0.0
 
 Writes quality.json, quality.md and quality.png to --out. ``--set section__field=value`` changes what every method
 trains (model, data, inner settings over the tiny preset); ``--outer field=value`` the DiLoCo methods' outer step.
@@ -11,7 +13,6 @@ trains (model, data, inner settings over the tiny preset); ``--outer field=value
 from __future__ import annotations
 
 import argparse
-import ast
 import platform
 import sys
 from pathlib import Path
@@ -21,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the laboratory, bench/, lives in the checkout
 
-from bench.quality import Budget, Method, MethodResult, run_comparison  # noqa: E402
+from bench.quality import Budget, Method, MethodResult, parse_assignment, run_comparison  # noqa: E402
 from bench.quality_report import write_report  # noqa: E402
 
 # What real swarms showed (results/scale, steps-n4-g8: 10 of 44 unit-rounds alone; the demo's outer_round events:
@@ -30,14 +31,8 @@ MEASURED_ALONE_P = 0.23
 MEASURED_DELAY_STEPS = 8
 
 
-def _assignment(text: str) -> tuple[str, Any]:
-    name, separator, value = text.partition("=")
-    if not separator or not name:
-        raise argparse.ArgumentTypeError(f"expected name=value, got {text!r}")
-    try:
-        return name, ast.literal_eval(value)
-    except (ValueError, SyntaxError):
-        return name, value  # a plain string (a path, a codec name)
+def _outer_set(text: str) -> dict[str, Any]:
+    return dict(parse_assignment(item) for item in text.split(",") if item)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -48,11 +43,25 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--async-units", type=int, nargs="*", default=[4], help="ours-async sizes M")
     parser.add_argument("--alone-p", type=float, default=MEASURED_ALONE_P, help="ours-async: P(a round alone)")
     parser.add_argument("--delay-steps", type=int, default=MEASURED_DELAY_STEPS, help="ours-async: overlap steps")
-    parser.add_argument("--data-parallel-units", type=int, default=None, help="combined batch (default: max M)")
+    parser.add_argument(
+        "--data-parallel-units",
+        type=int,
+        nargs="*",
+        default=None,
+        help="data-parallel's combined batches, in units (default: every M)",
+    )
     parser.add_argument("--evals", type=int, default=8, help="eval points per method")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--set", type=_assignment, action="append", default=[], help="section__field=value")
-    parser.add_argument("--outer", type=_assignment, action="append", default=[], help="[outer] field=value")
+    parser.add_argument("--set", type=parse_assignment, action="append", default=[], help="section__field=value")
+    parser.add_argument("--outer", type=parse_assignment, action="append", default=[], help="[outer] field=value")
+    parser.add_argument(
+        "--outer-sets",
+        nargs="+",
+        type=_outer_set,
+        default=[{}],
+        metavar="FIELD=V,FIELD=V",
+        help="every DiLoCo method once per set of [outer] overrides (over --outer): a sweep",
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     return parser
 
@@ -65,12 +74,14 @@ def _print_result(result: MethodResult) -> None:
 def main() -> int:
     args = _parser().parse_args()
     torch.set_num_threads(args.threads)
-    outer = dict(args.outer)
-    data_parallel = args.data_parallel_units or max([*args.units, *args.async_units])
-    methods = [Method(f"data-parallel-m{data_parallel}", "data-parallel", data_parallel)]
-    methods += [Method(f"diloco-m{units}", "diloco", units, outer=outer) for units in args.units]
-    methods += [Method(f"async-m{units}", "diloco", units, args.alone_p, args.delay_steps, outer)
-                for units in args.async_units]  # fmt: skip
+    sizes = sorted(set(args.units) | set(args.async_units)) if args.data_parallel_units is None else []
+    methods = [Method("plain-adamw" if units == 1 else f"data-parallel-m{units}", "data-parallel", units)
+               for units in (args.data_parallel_units or sizes)]  # fmt: skip
+    for overrides in args.outer_sets:
+        outer, suffix = {**dict(args.outer), **overrides}, "".join(f" {k}={v}" for k, v in overrides.items())
+        methods += [Method(f"diloco-m{units}{suffix}", "diloco", units, outer=outer) for units in args.units]
+        methods += [Method(f"async-m{units}{suffix}", "diloco", units, args.alone_p, args.delay_steps, outer)
+                    for units in args.async_units]  # fmt: skip
     budget = Budget(args.tokens, args.evals, args.seed, dict(args.set))
     command = " ".join([Path(sys.executable).name, *sys.argv])
     environment = f"{platform.node()}: {platform.processor() or platform.machine()}, Python {platform.python_version()}"

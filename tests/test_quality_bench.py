@@ -34,7 +34,8 @@ def test_every_method_consumes_the_same_token_budget(tmp_path: Path) -> None:
     assert [result.inner_steps for result in results] == [4, 4, 4, 8]
     assert [result.rounds for result in results[1:]] == [2, 2, 4]  # async: one in its run, one at its end
     assert results[1].mean_group == 4 and results[2].mean_group < 4
-    assert all(len(result.points) == BUDGET.evals for result in results)
+    assert all(len(result.points) == BUDGET.evals + 1 and result.points[0].tokens == 0 for result in results)
+    assert len({result.start_loss for result in results}) == 1  # one initial model, evaluated before training
 
     write_report(results, BUDGET, tmp_path / "report", "scripts/quality.py ...", "this machine")
     document = json.loads((tmp_path / "report" / "quality.json").read_text())
@@ -92,3 +93,13 @@ def test_a_delayed_outcome_arrives_after_its_delay_and_others_decode_the_codec()
     others_half = arrived[2].averaged[0] - proposals[0] / 2  # its own half is exact, the other's decoded
     error = float((others_half - proposals[1] / 2).norm() / (proposals[1] / 2).norm())
     assert 0 < error < 0.05  # int8 on Gaussian values: about 0.016 (compression.py)
+
+
+def test_a_group_below_the_quorum_fails_for_its_members() -> None:
+    swarm = LocalSwarm(members=2, alone_p=1.0, delay_steps=0, seed=0, quorum=2)
+    template = [torch.zeros(3)]
+    averager = swarm.averager("fragment0", 0, template)
+    assert averager.begin_round([torch.ones(3)], weight=1.0, outer_round=0, window_s=1.0)
+    swarm.tick()
+    outcome = averager.poll()
+    assert outcome is not None and outcome.averaged is None and outcome.group_size == 1
