@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import platform
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -39,7 +40,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="results folder")
     parser.add_argument("--tokens", type=int, required=True, help="token budget of every method (all units)")
-    parser.add_argument("--units", type=int, nargs="+", default=[1, 2, 4, 8], help="synchronous DiLoCo sizes M")
+    parser.add_argument("--units", type=int, nargs="*", default=[1, 2, 4, 8], help="synchronous DiLoCo sizes M")
     parser.add_argument("--async-units", type=int, nargs="*", default=[4], help="ours-async sizes M")
     parser.add_argument("--alone-p", type=float, default=MEASURED_ALONE_P, help="ours-async: P(a round alone)")
     parser.add_argument("--delay-steps", type=int, default=MEASURED_DELAY_STEPS, help="ours-async: overlap steps")
@@ -83,7 +84,7 @@ def main() -> int:
         methods += [Method(f"async-m{units}{suffix}", "diloco", units, args.alone_p, args.delay_steps, outer)
                     for units in args.async_units]  # fmt: skip
     budget = Budget(args.tokens, args.evals, args.seed, dict(args.set))
-    command = " ".join([Path(sys.executable).name, *sys.argv])
+    command = shlex.join([Path(sys.executable).name, *sys.argv])
     environment = f"{platform.node()}: {platform.processor() or platform.machine()}, Python {platform.python_version()}"
     try:
         results = run_comparison(methods, budget, report=_print_result)

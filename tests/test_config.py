@@ -38,7 +38,7 @@ def test_defaults_with_overrides() -> None:
     assert config.model.model == "gpt2" and config.model.model_config_path is None
     assert config.data.dataset == "corpus.txt"
     assert config.outer.inner_steps == 10
-    assert config.outer.outer_lr == 0.7 and config.outer.outer_momentum == 0.9 and config.outer.nesterov
+    assert config.outer.outer_lr == 1.0 and config.outer.outer_momentum == 0.0 and config.outer.nesterov
 
 
 def test_every_field_has_a_flag() -> None:
