@@ -49,7 +49,7 @@ def _parser() -> argparse.ArgumentParser:
         type=int,
         nargs="*",
         default=None,
-        help="data-parallel's combined batches, in units (default: every M)",
+        help="data-parallel's combined batches, in units (default: every M; 1 is plain AdamW; none: no data-parallel)",
     )
     parser.add_argument("--evals", type=int, default=8, help="eval points per method")
     parser.add_argument("--seed", type=int, default=0)
