@@ -396,6 +396,8 @@ def run_comparison(
 
 @dataclass(frozen=True)
 class Pretrained:
+    """What :func:`pretrain` exported to ``path``, after how much training, and its held-out loss before and after."""
+
     path: Path
     steps: int
     tokens: int
