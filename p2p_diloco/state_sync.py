@@ -9,8 +9,8 @@ Wire layout of a state: ``[*global_params, *momentum, counters]`` where ``counte
 validated before use (tensor count, shapes, dtypes, finite values, sane counters); an invalid or missing state
 yields None and a logged reason.
 
-Known limit: a download that overlaps the donor's publication of the next round may mix two consecutive
-rounds' tensors; the joiner's next averaging round pulls it back into consensus like any drift.
+A download serves one publication whole: :class:`_SnapshotAverager` hands hivemind a copy of the state taken under
+its tensors' lock, so a publication that lands while a peer streams the state cannot mix two rounds' tensors.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import hivemind
 import torch
@@ -56,6 +56,17 @@ class StateService(Protocol):
     def download(self, timeout_s: float) -> SwarmState | None: ...
 
 
+class _SnapshotAverager(hivemind.DecentralizedAverager):
+    """hivemind's averager whose state downloads stream a copy of its tensors. hivemind's ``get_current_state`` (the
+    hook it documents for overriding) returns the live shared buffers, which the averager process then compresses
+    tensor by tensor after the lock is released: a publication in between mixed two rounds' tensors (seen in a swarm
+    test, a joiner's φ between the donors' φ of rounds 7 and 8)."""
+
+    def get_current_state(self) -> tuple[Any, Sequence[torch.Tensor], Any]:
+        with self.get_tensors() as tensors:
+            return dict(group_key=self.get_group_bits()), [tensor.clone() for tensor in tensors], self.tensor_infos
+
+
 class StateServer:
     """Publishes this unit's consensus state to the swarm and downloads other units' states.
 
@@ -72,7 +83,7 @@ class StateServer:
     ):
         self._shapes = [tuple(tensor.shape) for tensor in template]
         self._fragments = fragments
-        self._averager = hivemind.DecentralizedAverager(
+        self._averager = _SnapshotAverager(
             averaged_tensors=[torch.zeros(shape) for shape in self._shapes * 2]
             + [torch.zeros(3 + fragments, dtype=torch.float64)],
             dht=dht,

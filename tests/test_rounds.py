@@ -299,6 +299,22 @@ def test_on_a_real_dht_units_share_state_across_round_settings_but_not_across_fr
 
 
 @pytest.mark.swarm
+def test_a_download_streams_the_state_of_one_publication(two_dhts: tuple[hivemind.DHT, hivemind.DHT]) -> None:
+    """What hivemind streams to a downloader (``get_current_state``, taken when the download begins) stays the state
+    published before, whatever is published while it streams."""
+    template = [torch.zeros(shape) for shape in SHAPES]
+    server = StateServer(two_dhts[0], plan_of().keys("run", "f00d").state(), template)
+    try:
+        first = SwarmState([torch.full(s, 1.0) for s in SHAPES], [torch.zeros(s) for s in SHAPES], [1], 10, 100)
+        server.publish(first)
+        _, streamed, _ = server._averager.get_current_state()
+        server.publish(SwarmState([torch.full(s, 2.0) for s in SHAPES], [torch.ones(s) for s in SHAPES], [2], 20, 200))
+        assert all(torch.equal(tensor, torch.full(shape, 1.0)) for tensor, shape in zip(streamed, SHAPES))
+    finally:
+        server.shutdown()
+
+
+@pytest.mark.swarm
 def test_on_a_real_dht_units_meet_only_when_their_round_settings_match(
     two_dhts: tuple[hivemind.DHT, hivemind.DHT],
 ) -> None:
