@@ -21,7 +21,7 @@ from p2p_diloco.data import load_text_data, shard_seed
 from p2p_diloco.dht import start_dht, stop_dht, visible_multiaddrs
 from p2p_diloco.lifecycle import install_stop_signals
 from p2p_diloco.metrics import MetricsLog
-from p2p_diloco.model import embedding_indices, load_model
+from p2p_diloco.model import load_model
 from p2p_diloco.plan import RoundPlan
 from p2p_diloco.records import SwarmRecords, record_validators
 from p2p_diloco.state_sync import StateServer
@@ -42,9 +42,7 @@ def run_peer(config: PeerConfig, stop: threading.Event) -> None:
         torch.set_num_threads(config.run.threads)
     loaded = load_model(config.model)
     trained = [param for param in loaded.model.parameters() if param.requires_grad]
-    plan = RoundPlan.from_config(
-        config.outer, [param.shape for param in trained], embedding_indices(loaded.model, trained)
-    )
+    plan = RoundPlan.for_model(config.outer, loaded.model, trained)
     run_id = config.network.run_id
     validators = record_validators(run_id)
     with contextlib.ExitStack() as owned:

@@ -14,6 +14,7 @@ from p2p_diloco.compression import Codec
 from p2p_diloco.config import ConfigError, OuterSection, Schedule
 from p2p_diloco.diloco import OuterHyperparams
 from p2p_diloco.fragments import Fragment, partition, views
+from p2p_diloco.model import embedding_indices
 from p2p_diloco.streaming import Payload
 
 Tensors = list[torch.Tensor]
@@ -118,6 +119,11 @@ class RoundPlan:
             allreduce_timeout_s=outer.allreduce_timeout_s,
             mean_merged=frozenset(embeddings) if outer.merge == "rda" else None,
         )
+
+    @classmethod
+    def for_model(cls, outer: OuterSection, model: torch.nn.Module, trained: Sequence[torch.Tensor]) -> RoundPlan:
+        """:meth:`from_config` for ``trained``, the parameters of ``model`` that a unit trains."""
+        return cls.from_config(outer, [tensor.shape for tensor in trained], embedding_indices(model, trained))
 
     @property
     def consensus(self) -> bool:

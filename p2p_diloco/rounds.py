@@ -77,7 +77,7 @@ from p2p_diloco.diloco import (
 )
 from p2p_diloco.fragments import Fragment, assign, copies, due_fragments, views
 from p2p_diloco.plan import FINAL_ROUND_SLACK_S, RoundPlan
-from p2p_diloco.streaming import FragmentRounds, Payload, SentRound, consensus_correction, consensus_payload
+from p2p_diloco.streaming import FragmentRounds, SentRound, consensus_correction, consensus_payload
 
 if TYPE_CHECKING:
     from p2p_diloco.averaging import Averager, RoundOutcome
@@ -531,9 +531,7 @@ class RoundEngine:
         status = _status(outcome, check_tags=True)
         if status is RoundStatus.MERGED:
             assert outcome.averaged is not None
-            count = len(rounds.fragment.pieces)
-            phi = outcome.averaged[:count]
-            moment = outcome.averaged[count : 2 * count] if self.plan.payload is Payload.PROPOSAL_WITH_MOMENTUM else []
+            phi, moment = rounds.mix_parts(outcome.averaged)
             moved = [now + (new - old) for now, new, old in zip(copies(self.local, rounds.fragment), phi, sent)]
             assign(self.global_params, rounds.fragment, phi)
             assign(self.local, rounds.fragment, moved)

@@ -125,6 +125,11 @@ class FragmentRounds:
             payload += [torch.zeros_like(piece) for piece in phi] + [torch.zeros(len(phi))]
         return payload
 
+    def mix_parts(self, averaged: Tensors) -> tuple[Tensors, Tensors]:
+        """φ_p and m_p (empty without momentum sync) of a mix round's average (shaped by :meth:`mix_payload`)."""
+        count = len(self.fragment.pieces)
+        return averaged[:count], (averaged[count : 2 * count] if self._synced else [])
+
     def mark_sent(self, payload: Tensors, local_at_send: Tensors, momentum_proposal: Tensors, inner_step: int) -> None:
         """The averager took ``payload`` (from :meth:`payload`): the round is in flight, the counters start over, and
         with error feedback what the codec drops from it becomes the residual. Nothing changes for a payload that was
