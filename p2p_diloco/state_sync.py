@@ -32,6 +32,10 @@ STATE_FORMAT = 2.0
 # logs "Task exception was never retrieved: TimeoutError". 10 s halves those stores (and their failures) against the
 # former 5 s; a new donor is found at most 10 s after its first publication.
 DECLARE_STATE_PERIOD_S = 10.0
+# hivemind gives up a download when the donor sends no chunk for request_timeout (3 s here) unless
+# next_chunk_timeout is set; a donor first copies its whole state (SmolLM2: 1.1 GB) and a busy 2-core machine took
+# longer than 3 s for that, so a late SmolLM2 joiner failed every attempt until its join timeout (measured).
+STATE_CHUNK_TIMEOUT_S = 30.0
 
 
 @dataclass
@@ -92,6 +96,7 @@ class StateServer:
             target_group_size=2,
             min_group_size=2,
             request_timeout=request_timeout_s,
+            next_chunk_timeout=STATE_CHUNK_TIMEOUT_S,
             allow_state_sharing=False,
             declare_state_period=DECLARE_STATE_PERIOD_S,
         )
