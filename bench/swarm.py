@@ -19,7 +19,7 @@ from typing import TypeVar
 from bench.chaos import faults
 from bench.chaos.network import ChaosNetwork, Loopback
 from p2p_diloco.events import E, Join, OuterRound, read_events
-from p2p_diloco.launcher import bootstrap_command, join_command, spawn, start_bootstrap, stop_process_groups
+from p2p_diloco.launcher import CLI, bootstrap_command, join_command, spawn, start_bootstrap, stop_process_groups
 from p2p_diloco.lifecycle import descendant_pids, is_running
 
 T = TypeVar("T")
@@ -70,12 +70,14 @@ class Swarm:
         self.killed.discard(name)
         return self.processes[name]
 
-    def unit(self, name: str, initial_peers: Sequence[str], *flags: str, duration_s: float = 600.0) -> subprocess.Popen:
+    def unit(self, name: str, initial_peers: Sequence[str], *flags: str, duration_s: float = 600.0,
+             cli: Sequence[str] = CLI) -> subprocess.Popen:  # fmt: skip
         """Start learning unit ``name`` (again, on the same work dir, if it ran before) joining through
-        ``initial_peers``, training for ``duration_s`` seconds."""
+        ``initial_peers``, training for ``duration_s`` seconds; ``cli`` replaces the package's CLI (e.g. by a
+        modified copy: the red team's units)."""
         work_dir = self.root / name
         work_dir.mkdir(parents=True, exist_ok=True)
-        command = join_command(initial_peers, work_dir, duration_s, self.run_id)
+        command = join_command(initial_peers, work_dir, duration_s, self.run_id, cli)
         command += ["--host-maddrs", f"/ip4/{self.network.host(name)}/tcp/0", *self.unit_flags, *flags]
         self.processes[name] = spawn(self.network.wrap(name, command), work_dir / "stdout.log")
         self.killed.discard(name)

@@ -39,6 +39,7 @@ from hivemind.compression import CompressionBase, NoCompression
 from hivemind.utils import get_dht_time
 
 from p2p_diloco.diloco import probe_drift
+from p2p_diloco.members import MemberInfo, read_member
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +113,7 @@ class _PendingRound:
     outer_round: int
     tag: str
     started_at: float
+    probe_length: int
 
 
 class OuterAverager:
@@ -207,7 +209,8 @@ class OuterAverager:
             allow_retries=True,
             wait=False,
         )
-        self._pending = _PendingRound(control, proposal, float(weight), int(outer_round), str(tag), time.time())
+        self._pending = _PendingRound(control, proposal, float(weight), int(outer_round), str(tag), time.time(),
+                                      len(probe))  # fmt: skip
         return True
 
     def _tensors_free(self) -> bool:
@@ -263,25 +266,32 @@ class OuterAverager:
             return self._without_group(pending, "averager returned no group")
         with self._averager.get_tensors() as buffers:
             averaged = [buffer.clone() for buffer in buffers]
-        infos = [info for info in gathered.values() if isinstance(info, dict)]
-        member_rounds = [int(info.get("outer_round", -1)) for info in infos]
-        total_weight = sum(float(info.get("weight", 0.0)) for info in infos)
-        probes = [info["probe"] for info in infos if isinstance(info.get("probe"), list) and info["probe"]]
-        same_length = [probe for probe in probes if len(probe) == len(probes[0])] if probes else []
+        infos = self._read_members(gathered, pending)
         members = list(gathered)
         position = members.index(self._averager.peer_id) if self._averager.peer_id in members else 0
         return RoundOutcome(
             averaged=averaged,
             group_size=len(gathered),
-            max_member_round=max(member_rounds, default=pending.outer_round),
-            total_weight=total_weight,
+            max_member_round=max([pending.outer_round] + [info.outer_round for info in infos]),
+            total_weight=sum(info.weight for info in infos),
             started_at=pending.started_at,
             finished_at=time.time(),
-            member_drift=probe_drift(same_length),
-            member_tags=tuple(str(info.get("tag", "")) for info in infos),
-            member_periods=tuple(_number(info.get("period")) for info in infos),
+            member_drift=probe_drift([info.probe for info in infos if info.probe]),
+            member_tags=tuple(info.tag for info in infos),
+            member_periods=tuple(info.period for info in infos),
             position=position,
         )
+
+    def _read_members(self, gathered: dict, pending: _PendingRound) -> list[MemberInfo]:
+        """Every member's gather, validated (members.py); what was not believed is logged with the member's id."""
+        infos = []
+        for peer_id, value in gathered.items():
+            info = read_member(value, pending.outer_round, pending.probe_length)
+            if info.problems:
+                logger.warning("outer round %d: member %s: %s (not believed)", pending.outer_round, peer_id,
+                               "; ".join(info.problems))  # fmt: skip
+            infos.append(info)
+        return infos
 
     def _without_group(self, pending: _PendingRound, error: str) -> RoundOutcome:
         """No usable group: with quorum 1 the round completes alone, otherwise it fails."""
@@ -333,11 +343,6 @@ def check_round_request(
         raise ValueError("proposal does not match the averaged tensors' shapes")
     if not weight > 0:
         raise ValueError(f"weight must be positive, got {weight}")
-
-
-def _number(value: object) -> float:
-    """A member's gathered number, 0 for anything else (a stranger's gathered values are not trusted)."""
-    return float(value) if isinstance(value, int | float) and math.isfinite(value) and value >= 0 else 0.0
 
 
 def _cancel(control: StepControl) -> None:

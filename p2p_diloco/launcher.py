@@ -18,11 +18,13 @@ BOOTSTRAP_TIMEOUT_S = 60.0
 CLI = [sys.executable, "-m", "p2p_diloco.cli"]
 
 
-def join_command(initial_peers: Sequence[str], work_dir: Path, duration_s: float, run_id: str) -> list[str]:
+def join_command(initial_peers: Sequence[str], work_dir: Path, duration_s: float, run_id: str,
+                 cli: Sequence[str] = CLI) -> list[str]:  # fmt: skip
     """``p2p-diloco join`` of one unit of the tiny preset for ``duration_s`` seconds, its console quiet, its consensus
-    model exported to ``work_dir``/model (later flags appended to it override these)."""
+    model exported to ``work_dir``/model (later flags appended to it override these); ``cli`` is the program that
+    takes the subcommand (the package's CLI, or a modified copy of it)."""
     return [
-        *CLI, "join",
+        *cli, "join",
         "--preset", "tiny",
         "--run-id", run_id,
         "--initial-peers", *initial_peers,
