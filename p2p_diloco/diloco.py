@@ -135,6 +135,14 @@ def merge_local_progress(
     return merged
 
 
+def distance(first: Sequence[torch.Tensor], second: Sequence[torch.Tensor]) -> float:
+    """‖first − second‖ over all tensors together (in float64, on ``first``'s devices). Raises ValueError if the
+    lists do not match."""
+    _check_same_shapes(first, second)
+    squares = sum(float((a.double() - b.to(device=a.device).double()).pow(2).sum()) for a, b in zip(first, second))
+    return math.sqrt(squares)
+
+
 def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
     """True when no tensor holds a NaN or an infinity."""
     return all(bool(torch.isfinite(tensor).all()) for tensor in tensors)

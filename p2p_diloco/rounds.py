@@ -73,6 +73,7 @@ from p2p_diloco.diloco import (
     all_finite,
     consensus_probe,
     consensus_probe_indices,
+    distance,
     merge_local_progress,
 )
 from p2p_diloco.fragments import Fragment, assign, copies, due_fragments, views
@@ -86,6 +87,10 @@ logger = logging.getLogger(__name__)
 
 Tensors = list[torch.Tensor]
 BUSY_DECAY = 0.1  # how fast the measured busy time of a round comes down again
+# A round's average may move φ_p at most this many times as far as the unit's own outer step would have: honest
+# groups move it about as far (the mean of similar steps, plus the pull of members' drift); a member that scales or
+# replaces its payload moves it hundreds of times further (see the module docstring's REJECTED).
+MAX_STEP_RATIO = 10.0
 
 
 # ---------------------------------------------------------------------------------------------------- results
@@ -191,6 +196,7 @@ class RoundEngine:
         self.settle_sent: torch.Tensor | None = None  # φ flat, of the settle round in flight
         self.settle_probe_indices = consensus_probe_indices(self.global_params)
         self.steps = 0  # inner steps recorded (the clock of overlaps)
+        self.step_tokens = 0  # tokens of the last inner step (how many steps a round's tokens stand for)
         self.clock = plan.clock()
         self.last_boundary = [-math.inf] * count  # clock schedule: per fragment, the boundary of its last round
         self.swarm_size = 1  # live units the caller knows of, itself included (the mix stage runs beyond the target)
@@ -243,6 +249,7 @@ class RoundEngine:
     def record_step(self, tokens: int, compute_s: float) -> None:
         """Count one inner step toward every fragment's next round."""
         self.steps += 1
+        self.step_tokens = tokens
         for rounds in self.fragments:
             rounds.record_step(tokens, compute_s)
 
@@ -369,7 +376,8 @@ class RoundEngine:
                     tensor.copy_(value.to(device=tensor.device, dtype=tensor.dtype))
             self._restart_schedules()
             return RoundBegin(RoundKind.FRAGMENT, number, RoundStatus.RESET, rounds.outer_round)
-        payload, momentum_proposal = rounds.payload(self.global_params, self.momentum, local_at_send, self.plan.hyper)
+        payload, momentum_proposal, own_step = rounds.payload(self.global_params, self.momentum, local_at_send,
+                                                              self.plan.hyper)  # fmt: skip
         weight = max(1, rounds.tokens_since_round)
         probe = consensus_probe(views(self.global_params, rounds.fragment), self.probe_indices[number])
         tag = f"fragment {number}"
@@ -380,7 +388,10 @@ class RoundEngine:
         )  # fmt: skip
         if not begun:
             return RoundBegin(RoundKind.FRAGMENT, number, RoundStatus.DEFERRED, rounds.outer_round)
-        rounds.mark_sent(payload, local_at_send, momentum_proposal, self.steps)
+        # a round of fewer than H steps (a joiner's first, a staggered fragment's) is measured against a full one's
+        trained_steps = rounds.tokens_since_round / max(1, self.step_tokens)
+        step_scale = own_step * max(1.0, self.plan.inner_steps / max(1.0, trained_steps))
+        rounds.mark_sent(payload, local_at_send, momentum_proposal, self.steps, step_scale)
         return RoundBegin(RoundKind.FRAGMENT, number, RoundStatus.BEGUN, rounds.outer_round, window_s, weight)
 
     def _begin_consensus(self, number: int, window_s: float) -> RoundBegin:
@@ -418,6 +429,11 @@ class RoundEngine:
             return RoundEnd(RoundKind.SETTLE, 0, RoundStatus.FAILED, self.outer_round, self.outer_round, False, 0, 0.0,
                             0.0, 0, 0, 0.0, 0, "the settle round did not end in time")  # fmt: skip
         status = _status(outcome, check_tags=True)
+        if status is RoundStatus.MERGED:
+            assert outcome.averaged is not None
+            scale = math.sqrt(sum(rounds.last_step_scale**2 for rounds in self.fragments))
+            if not self._plausible(self.fragments[0], "settle", distance(outcome.averaged, [sent]), scale):
+                status = RoundStatus.REJECTED
         if status is RoundStatus.MERGED:
             assert outcome.averaged is not None
             shift = outcome.averaged[0] - sent
@@ -488,20 +504,36 @@ class RoundEngine:
         status = _status(outcome, check_tags=False)
         if status is RoundStatus.REJECTED:
             logger.error("rejected a non-finite average in outer round %d", rounds.outer_round)
-        if status not in MERGES:
+        merged = None
+        if status in MERGES:
+            assert outcome.averaged is not None
+            merged = rounds.merged(outcome.averaged, self.global_params, self.momentum, sent, self.plan.hyper)
+            step = distance(merged[0], copies(self.global_params, rounds.fragment))
+            if not self._plausible(rounds, "outer", step, sent.step_scale):
+                status, merged = RoundStatus.REJECTED, None
+        if merged is None:
             rounds.carry(sent)
             return self._fragment_end(rounds, outcome, sent, status, advanced=False)
-        assert outcome.averaged is not None
         unit_round_before = self.outer_round
-        self._merge(rounds, outcome.averaged, sent)
+        self._merge(rounds, merged, sent)
         rounds.outer_round = max(rounds.outer_round, outcome.max_member_round) + 1
         self._maybe_queue_consensus(rounds, outcome.member_drift)
         self._after_clock_round(rounds.fragment.number, outcome)
         return self._fragment_end(rounds, outcome, sent, status, advanced=self.outer_round > unit_round_before)
 
-    def _merge(self, rounds: FragmentRounds, averaged: Tensors, sent: SentRound) -> None:
+    def _plausible(self, rounds: FragmentRounds, kind: str, step: float, scale: float) -> bool:
+        """Whether a round that moves φ_p by ``step`` moves it at most MAX_STEP_RATIO times ``scale`` (this unit's own
+        outer step, see SentRound.step_scale); logs a round it rejects. Always True before the unit sent a round."""
+        if scale <= 0 or step <= MAX_STEP_RATIO * scale:
+            return True
+        logger.error("rejected the average of a %s round (fragment %d, outer round %d): it moves φ %.3g× as far as "
+                     "this unit's own step (bound %g×)", kind, rounds.fragment.number, rounds.outer_round,
+                     step / scale, MAX_STEP_RATIO)  # fmt: skip
+        return False
+
+    def _merge(self, rounds: FragmentRounds, merged: tuple[Tensors, Tensors], sent: SentRound) -> None:
         """φ_p, m_p ← the merged values; θ_p ← φ_p + (θ_p,now − θ_p,sent)."""
-        new_params, new_momentum = rounds.merged(averaged, self.global_params, self.momentum, sent, self.plan.hyper)
+        new_params, new_momentum = merged
         assign(self.global_params, rounds.fragment, new_params)
         assign(self.momentum, rounds.fragment, new_momentum)
         merged_local = merge_local_progress(new_params, copies(self.local, rounds.fragment), sent.local_at_send)
@@ -529,9 +561,12 @@ class RoundEngine:
         number = rounds.fragment.number
         sent = self.mix_sent.pop(number)
         status = _status(outcome, check_tags=True)
+        phi, moment = rounds.mix_parts(outcome.averaged) if outcome.averaged is not None else ([], [])
+        if status is RoundStatus.MERGED and not self._plausible(
+            rounds, "mix", distance(phi, sent), rounds.last_step_scale
+        ):
+            status = RoundStatus.REJECTED
         if status is RoundStatus.MERGED:
-            assert outcome.averaged is not None
-            phi, moment = rounds.mix_parts(outcome.averaged)
             moved = [now + (new - old) for now, new, old in zip(copies(self.local, rounds.fragment), phi, sent)]
             assign(self.global_params, rounds.fragment, phi)
             assign(self.local, rounds.fragment, moved)
@@ -572,9 +607,16 @@ class RoundEngine:
         """Add (group mean − sent) to φ_p and θ_p when the round is usable (see the module docstring)."""
         sent = self.consensus_sent.pop(number)
         status = _status(outcome, check_tags=True)
+        rounds = self.fragments[number]
         if status is RoundStatus.MERGED:
             assert outcome.averaged is not None
-            fragment = self.fragments[number].fragment
+            step = distance(outcome.averaged, [sent])
+            status = (
+                status if self._plausible(rounds, "consensus", step, rounds.last_step_scale) else RoundStatus.REJECTED
+            )
+        if status is RoundStatus.MERGED:
+            assert outcome.averaged is not None
+            fragment = rounds.fragment
             fix = consensus_correction(outcome.averaged[0], sent, fragment, self.global_params)
             for tensors in (self.global_params, self.local):
                 assign(tensors, fragment, [now + delta for now, delta in zip(copies(tensors, fragment), fix)])

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from p2p_diloco.diloco import OuterHyperparams, outer_step, pseudo_gradient, radial_merge, radial_parts
+from p2p_diloco.diloco import OuterHyperparams, distance, outer_step, pseudo_gradient, radial_merge, radial_parts
 from p2p_diloco.fragments import Fragment, copies, first_round_offset, views
 
 if TYPE_CHECKING:
@@ -66,6 +66,7 @@ class SentRound:
     tokens: int
     compute_s: float
     inner_step: int
+    step_scale: float  # ‖φ'_p − φ_p‖ of the outer step on this unit's own Δ_p alone, scaled up to H inner steps
 
 
 @dataclass
@@ -84,6 +85,7 @@ class FragmentRounds:
     tokens_since_round: int = 0
     compute_since_round: float = 0.0
     sent: SentRound | None = None
+    last_step_scale: float = 0.0  # the step scale of the last round sent (that of a plausible change of φ_p)
 
     def restart_schedule(self, count: int, inner_steps: int) -> None:
         """Forget the counters; the first round comes after the fragment's staggered offset."""
@@ -101,17 +103,19 @@ class FragmentRounds:
         self.compute_since_round += sent.compute_s
 
     def payload(self, global_params: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor],
-                local_at_send: Tensors, hyper: OuterHyperparams) -> tuple[Tensors, Tensors]:  # fmt: skip
-        """The tensors to average for this fragment, and the unit's own momentum proposal (proposal payload)."""
+                local_at_send: Tensors, hyper: OuterHyperparams) -> tuple[Tensors, Tensors, float]:  # fmt: skip
+        """The tensors to average for this fragment, the unit's own momentum proposal (proposal payload) and the norm
+        of its own outer step ‖φ'_p − φ_p‖ (on its Δ_p alone)."""
         phi, moment = copies(global_params, self.fragment), copies(momentum, self.fragment)
         delta = pseudo_gradient(phi, local_at_send)
+        params_proposal, momentum_proposal = outer_step(phi, moment, delta, hyper)
+        own_step = distance(params_proposal, phi)
         if self.payload_kind is Payload.PSEUDO_GRADIENT:
-            return (self.error_feedback.compensate(delta) if self.error_feedback else delta), []
+            return (self.error_feedback.compensate(delta) if self.error_feedback else delta), [], own_step
         if self.radial is not None:
             directions, norms = radial_parts(delta, self.radial)
-            return phi + (moment if self._synced else []) + directions + [norms], moment
-        params_proposal, momentum_proposal = outer_step(phi, moment, delta, hyper)
-        return params_proposal + (momentum_proposal if self._synced else []), momentum_proposal
+            return phi + (moment if self._synced else []) + directions + [norms], moment, own_step
+        return params_proposal + (momentum_proposal if self._synced else []), momentum_proposal, own_step
 
     @property
     def _synced(self) -> bool:
@@ -130,14 +134,16 @@ class FragmentRounds:
         count = len(self.fragment.pieces)
         return averaged[:count], (averaged[count : 2 * count] if self._synced else [])
 
-    def mark_sent(self, payload: Tensors, local_at_send: Tensors, momentum_proposal: Tensors, inner_step: int) -> None:
+    def mark_sent(self, payload: Tensors, local_at_send: Tensors, momentum_proposal: Tensors, inner_step: int,
+                  step_scale: float) -> None:  # fmt: skip
         """The averager took ``payload`` (from :meth:`payload`): the round is in flight, the counters start over, and
         with error feedback what the codec drops from it becomes the residual. Nothing changes for a payload that was
         not taken, so it is computed again, from the same residual, at the next attempt."""
         if self.error_feedback is not None and self.roundtrip is not None:
             self.error_feedback.update(payload, [self.roundtrip(tensor) for tensor in payload])
         self.sent = SentRound(local_at_send, momentum_proposal, self.tokens_since_round, self.compute_since_round,
-                              inner_step)  # fmt: skip
+                              inner_step, step_scale)  # fmt: skip
+        self.last_step_scale = step_scale
         self.steps_since_round = self.tokens_since_round = 0
         self.compute_since_round = 0.0
 

@@ -196,6 +196,31 @@ def test_a_non_finite_average_is_rejected_and_a_non_finite_theta_resets_to_phi()
     assert all(torch.equal(theta, phi) for theta, phi in zip(engine.local, engine.global_params))
 
 
+def test_an_average_that_moves_phi_far_beyond_the_units_own_step_is_rejected_and_carried() -> None:
+    """A member's payload ×1000 is rejected (φ, m, θ unchanged, the tokens carried); the same group's honest average,
+    which moves φ about as far as the unit's own step, merges."""
+    group = FakeGroup()
+    engine = engine_of(plan_of(inner_steps=2), [group])
+    template = plan_of().round_templates(engine.local)[0]
+    other = group.averager(template, "other")
+    train(engine, 2)
+    phi, theta = [t.clone() for t in engine.global_params], [t.clone() for t in engine.local]
+    engine.begin_due(0.1)
+    sent = [tensor.clone() for tensor in group._waiting[group.members[0]].proposal]
+    other.begin_round([tensor * 1000 for tensor in sent], weight=float(2 * TOKENS), outer_round=0, window_s=1.0)
+    (rejected,) = engine.poll()
+    assert rejected.status is RoundStatus.REJECTED and not rejected.merged and engine.outer_round == 0
+    assert all(torch.equal(a, b) for a, b in zip(engine.global_params, phi))
+    assert all(torch.equal(a, b) for a, b in zip(engine.local, theta))
+    other.poll()
+    train(engine, 2)
+    engine.begin_due(0.1)
+    honest = [tensor.clone() for tensor in group._waiting[group.members[0]].proposal]
+    other.begin_round(honest, weight=float(4 * TOKENS), outer_round=0, window_s=1.0)
+    (merged,) = engine.poll()
+    assert merged.status is RoundStatus.MERGED and merged.weight == 4 * TOKENS  # the rejected round's tokens carried
+
+
 def test_with_two_fragments_the_unit_round_advances_when_both_have_merged() -> None:
     groups = [FakeGroup(), FakeGroup()]
     engine = engine_of(plan_of(inner_steps=2, fragments=2, max_in_flight=2), groups)
