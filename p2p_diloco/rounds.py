@@ -37,7 +37,9 @@ Failure contract (what each outcome does to φ_p, m_p and θ_p of fragment p; se
   fragment's round becomes max(members' rounds) + 1 and its next round is due H inner steps later. A partial average
   (a member died mid all-reduce, HIVEMIND.md trap 2) merges like any other: the following rounds average it out.
 * ``FAILED`` (no group of ``quorum`` members, a network error, a stuck averager replaced) and ``REJECTED`` (a non-finite
-  average): φ_p, m_p, θ_p and the round are unchanged; the round's tokens and compute go into the fragment's next
+  average, or one that would move φ_p more than MAX_STEP_RATIO times as far as the unit's own outer step on its own
+  Δ_p, scaled to H steps: a member that scaled its payload; mix, consensus and settle rounds are bounded the same way
+  by the last own step): φ_p, m_p, θ_p and the round are unchanged; the round's tokens and compute go into the fragment's next
   round, whose pseudo-gradient still holds its progress, so nothing is lost.
 * ``DEFERRED``: the averager could not take the round yet (its tensors are held); nothing changed, the round stays due.
 * ``RESET``: θ was non-finite when a round was due: nothing is sent, θ ← φ, every fragment's schedule restarts and the
