@@ -435,7 +435,7 @@ class RoundEngine:
         if status is RoundStatus.MERGED:
             assert outcome.averaged is not None
             scale = math.sqrt(sum(rounds.last_step_scale**2 for rounds in self.fragments))
-            if not self._plausible(self.fragments[0], "settle", distance(outcome.averaged, [sent]), scale):
+            if not _plausible_step("a settle round", distance(outcome.averaged, [sent]), scale):
                 status = RoundStatus.REJECTED
         if status is RoundStatus.MERGED:
             assert outcome.averaged is not None
@@ -512,7 +512,8 @@ class RoundEngine:
             assert outcome.averaged is not None
             merged = rounds.merged(outcome.averaged, self.global_params, self.momentum, sent, self.plan.hyper)
             step = distance(merged[0], copies(self.global_params, rounds.fragment))
-            if not self._plausible(rounds, "outer", step, sent.step_scale):
+            what = f"outer round {rounds.outer_round} of fragment {rounds.fragment.number}"
+            if not _plausible_step(what, step, sent.step_scale):
                 status, merged = RoundStatus.REJECTED, None
         if merged is None:
             rounds.carry(sent)
@@ -523,16 +524,6 @@ class RoundEngine:
         self._maybe_queue_consensus(rounds, outcome.member_drift)
         self._after_clock_round(rounds.fragment.number, outcome)
         return self._fragment_end(rounds, outcome, sent, status, advanced=self.outer_round > unit_round_before)
-
-    def _plausible(self, rounds: FragmentRounds, kind: str, step: float, scale: float) -> bool:
-        """Whether a round that moves φ_p by ``step`` moves it at most MAX_STEP_RATIO times ``scale`` (this unit's own
-        outer step, see SentRound.step_scale); logs a round it rejects. Always True before the unit sent a round."""
-        if scale <= 0 or step <= MAX_STEP_RATIO * scale:
-            return True
-        logger.error("rejected the average of a %s round (fragment %d, outer round %d): it moves φ %.3g× as far as "
-                     "this unit's own step (bound %g×)", kind, rounds.fragment.number, rounds.outer_round,
-                     step / scale, MAX_STEP_RATIO)  # fmt: skip
-        return False
 
     def _merge(self, rounds: FragmentRounds, merged: tuple[Tensors, Tensors], sent: SentRound) -> None:
         """φ_p, m_p ← the merged values; θ_p ← φ_p + (θ_p,now − θ_p,sent)."""
@@ -565,9 +556,8 @@ class RoundEngine:
         sent = self.mix_sent.pop(number)
         status = _status(outcome, check_tags=True)
         phi, moment = rounds.mix_parts(outcome.averaged) if outcome.averaged is not None else ([], [])
-        if status is RoundStatus.MERGED and not self._plausible(
-            rounds, "mix", distance(phi, sent), rounds.last_step_scale
-        ):
+        what = f"a mix round of fragment {number}"
+        if status is RoundStatus.MERGED and not _plausible_step(what, distance(phi, sent), rounds.last_step_scale):
             status = RoundStatus.REJECTED
         if status is RoundStatus.MERGED:
             moved = [now + (new - old) for now, new, old in zip(copies(self.local, rounds.fragment), phi, sent)]
@@ -614,9 +604,8 @@ class RoundEngine:
         if status is RoundStatus.MERGED:
             assert outcome.averaged is not None
             step = distance(outcome.averaged, [sent])
-            status = (
-                status if self._plausible(rounds, "consensus", step, rounds.last_step_scale) else RoundStatus.REJECTED
-            )
+            if not _plausible_step(f"a consensus round of fragment {number}", step, rounds.last_step_scale):
+                status = RoundStatus.REJECTED
         if status is RoundStatus.MERGED:
             assert outcome.averaged is not None
             fragment = rounds.fragment
@@ -642,6 +631,17 @@ class RoundEngine:
             useful_tokens=0,
             error=outcome.error,
         )
+
+
+def _plausible_step(what: str, step: float, scale: float) -> bool:
+    """Whether a round (``what``, for the log) that moves φ_p by ``step`` moves it at most MAX_STEP_RATIO times
+    ``scale`` (this unit's own outer step, see SentRound.step_scale); logs a round it rejects. True while ``scale`` is 0
+    (before the unit sent a round)."""
+    if scale <= 0 or step <= MAX_STEP_RATIO * scale:
+        return True
+    logger.error("rejected the average of %s: it moves φ %.3g× as far as this unit's own step (bound %g×)", what,
+                 step / scale, MAX_STEP_RATIO)  # fmt: skip
+    return False
 
 
 def _status(outcome: RoundOutcome, check_tags: bool) -> RoundStatus:
