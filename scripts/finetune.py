@@ -104,7 +104,7 @@ def _row(swarm: Swarm, name: str, pretrained_loss: float | None) -> dict:
     losses = [event.eval_loss for event in evals if event.eval_loss is not None]
     return {
         "unit": name,
-        "joins": [event.reason == "join" for event in evals].count(True),
+        "joins": sum(event.reason == "join" for event in evals),
         "start_loss": losses[0] if losses else None,
         "final_loss": losses[-1] if losses else None,
         "highest_loss": max(losses) if losses else None,
