@@ -47,8 +47,8 @@ def test_round_metadata_out_of_range_is_not_believed(tmp_path: Path, variant: st
 
 def test_an_average_far_out_of_scale_is_not_merged(tmp_path: Path) -> None:
     """Without the bound, a member sending 1000 × its proposal took the honest units' φ to a loss of 10^6 (they reset
-    θ over and over and exported it). (A member adding N(0, 1) noise moves φ of the tiny model only 3-70 × as far as
-    an honest step: some of its rounds pass the bound; that needs a bound per member.)"""
+    θ over and over and exported it). (A member adding N(0, 1) noise moved φ of the tiny model less than 10 × as far as
+    an honest step in some rounds: they pass the bound; that needs a bound per member.)"""
     variant = "payload-x1000"
     swarm = quick_swarm(tmp_path)
     try:
