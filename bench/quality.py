@@ -255,6 +255,9 @@ class _NoRecords:
     def refresh_model_fingerprint(self, fingerprint: str, ttl_s: float = 3600) -> None:
         pass
 
+    def publish_membership(self, ttl_s: float = 3600, wait: bool = False) -> None:
+        pass
+
 
 class _NoStateServer:
     """Nobody joins in one process: published states are dropped."""

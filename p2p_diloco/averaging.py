@@ -30,22 +30,28 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import InvalidStateError
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, AsyncIterator, Protocol  # noqa: UP035 (hivemind reads RPC stream types from typing's alias)
 
 import hivemind
 import torch
 from hivemind.averaging.control import StepControl
+from hivemind.averaging.group_info import GroupInfo
+from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.compression import CompressionBase, NoCompression
+from hivemind.p2p import P2PContext, PeerID
+from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
 
 from p2p_diloco.diloco import probe_drift
 from p2p_diloco.members import MemberInfo, read_member
+from p2p_diloco.membership import MemberGate
 
 logger = logging.getLogger(__name__)
 
 TENSOR_LOCK_WAIT_S = 0.05  # longest an inner step waits for the averaged tensors
 LOCK_WARNING_EVERY_S = 30.0
-STUCK_MARGIN_S = 5.0  # the tensors' lock busy this long past the all-reduce timeout: the averager is restarted
+STUCK_MARGIN_S = 5.0
+REFUSAL_LOG_EVERY_S = 60.0  # the tensors' lock busy this long past the all-reduce timeout: the averager is restarted
 
 
 @dataclass(frozen=True)
@@ -105,6 +111,85 @@ class Averager(Protocol):
         ...
 
 
+class GatedAverager(hivemind.DecentralizedAverager):
+    """hivemind's averager that takes part only with members of the run (membership.py ``MemberGate``), judged by the
+    libp2p-authenticated peer id of every caller and groupmate.
+
+    hivemind 1.1.12 has no hook to authorize a caller of the averager's RPCs (its authorizer guards DHT RPCs only), so
+    the entry points a peer reaches are wrapped: a join request from a non-member is refused (``PROTOCOL_VIOLATION``),
+    its parts or state requests are answered with nothing, a non-member declared as a leader is not asked to lead
+    (hivemind's matchmaking has no filter of leaders: its per-leader request is wrapped in the averager process), and a
+    group that contains a non-member anyway is left before any tensor is sent (the round retries matchmaking until its
+    deadline, as for any failed group). In an open run the gate admits everyone and this is hivemind's averager.
+    """
+
+    _rpc_handlers = None  # hivemind caches RPC handlers per class: a subclass must collect its own
+    _stub_type = None
+
+    def __init__(self, *args: Any, gate: MemberGate, **kwargs: Any) -> None:
+        self.gate = gate
+        self._refusals_logged: dict[tuple[str, str], float] = {}
+        super().__init__(*args, **kwargs)
+
+    async def _refuses(self, peer_id: PeerID, what: str) -> bool:
+        """Whether to refuse ``peer_id``; a refusal is logged once per REFUSAL_LOG_EVERY_S for each peer and kind."""
+        if await self.gate.admits(peer_id, self.dht):
+            return False
+        now, key = time.monotonic(), (str(peer_id), what)
+        if now - self._refusals_logged.get(key, -math.inf) >= REFUSAL_LOG_EVERY_S:
+            self._refusals_logged[key] = now
+            logger.warning("refused %s from %s: not a member of the run", what, peer_id)
+        return True
+
+    async def _step(self, *, step: StepControl, future_for_init: Any) -> None:
+        self._ask_only_members_to_lead()
+        await super()._step(step=step, future_for_init=future_for_init)
+
+    def _ask_only_members_to_lead(self) -> None:
+        matchmaking = self._matchmaking
+        if getattr(matchmaking, "asks_members_only", False):
+            return
+        request_join_group = matchmaking._request_join_group
+
+        async def request_join_group_of_a_member(leader: PeerID) -> GroupInfo | None:
+            return None if await self._refuses(leader, "a lead") else await request_join_group(leader)
+
+        matchmaking._request_join_group = request_join_group_of_a_member
+        matchmaking.asks_members_only = True
+
+    async def rpc_join_group(
+        self, request: averaging_pb2.JoinRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+        if await self._refuses(context.remote_id, "a join request"):
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        async for response in super().rpc_join_group(request, context):
+            yield response
+
+    async def rpc_aggregate_part(
+        self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        if await self._refuses(context.remote_id, "an all-reduce part"):
+            yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        async for message in super().rpc_aggregate_part(stream, context):
+            yield message
+
+    async def rpc_download_state(
+        self, request: averaging_pb2.DownloadRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.DownloadData]:
+        if await self._refuses(context.remote_id, "a state download"):
+            return
+        async for message in super().rpc_download_state(request, context):
+            yield message
+
+    async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any) -> Any:
+        for peer_id in group_info.peer_ids:
+            if peer_id != self.peer_id and await self._refuses(peer_id, "a group"):
+                raise MatchmakingException(f"group {group_info.group_id!r} has a non-member, {peer_id}")
+        return await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+
+
 @dataclass
 class _PendingRound:
     control: StepControl
@@ -122,8 +207,8 @@ class OuterAverager:
 
     Peers are grouped under ``prefix``: give a prefix that includes the run id, the model fingerprint and whatever
     must match (fragment, codec) so that units that cannot average together never meet. ``compression`` is the
-    hivemind codec of every part sent (default: none). Owns a hivemind averager process; call :meth:`shutdown`
-    (also on errors) to stop it.
+    hivemind codec of every part sent (default: none); ``gate`` says who may take part (default: everyone). Owns a
+    hivemind averager process; call :meth:`shutdown` (also on errors) to stop it.
     """
 
     def __init__(
@@ -137,12 +222,15 @@ class OuterAverager:
         allreduce_timeout_s: float,
         request_timeout_s: float = 1.0,
         compression: CompressionBase | None = None,
+        gate: MemberGate | None = None,
     ):
+        gate = gate if gate is not None else MemberGate.everyone()
         self.quorum = quorum
         self._shapes = [tuple(tensor.shape) for tensor in template]
         self._stuck_after_s = allreduce_timeout_s + STUCK_MARGIN_S
         self._new_averager = functools.partial(
-            hivemind.DecentralizedAverager,
+            GatedAverager,
+            gate=gate,
             averaged_tensors=[torch.zeros_like(tensor, dtype=torch.float32, device="cpu") for tensor in template],
             dht=dht,
             start=True,

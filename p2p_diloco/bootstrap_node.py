@@ -7,8 +7,9 @@ import sys
 import threading
 
 from p2p_diloco.config import NetworkSection
-from p2p_diloco.dht import count_routing_peers, start_dht, stop_dht, visible_multiaddrs
+from p2p_diloco.dht import count_routing_peers, peer_identity, start_dht, stop_dht, visible_multiaddrs
 from p2p_diloco.lifecycle import install_stop_signals, start_orphan_reaper
+from p2p_diloco.membership import load_run_access
 from p2p_diloco.records import record_validators
 
 logger = logging.getLogger(__name__)
@@ -20,7 +21,8 @@ def run_bootstrap(network: NetworkSection, stop: threading.Event | None = None, 
     """Serve the DHT until ``stop`` is set (default: the first SIGINT/SIGTERM); return the exit code.
 
     Uses ``network.identity_path`` (default ``./bootstrap.key``, created on first run) so the printed multiaddrs stay
-    valid across restarts. Prints one ``initial peers: <maddr>`` line per address, logs the peer count every
+    valid across restarts; with ``network.admission`` (its identity's, in a private run) it refuses to store records of
+    non-members. Prints one ``initial peers: <maddr>`` line per address, logs the peer count every
     ``report_every_s`` seconds. Returns 0 after a requested stop (DHT and p2pd shut down), 1 with a one-line message
     on stderr if the DHT dies; raises NetworkError if it cannot start.
     """
@@ -28,7 +30,9 @@ def run_bootstrap(network: NetworkSection, stop: threading.Event | None = None, 
     stop = stop if stop is not None else install_stop_signals()
     if network.identity_path is None:
         network = network.model_copy(update={"identity_path": DEFAULT_IDENTITY_PATH})
-    dht = start_dht(network, record_validators=record_validators(network.run_id))
+    identity = peer_identity(network.identity_path)
+    access = load_run_access(network.run_id, network.admission, identity.peer_id)
+    dht = start_dht(network, identity=identity, record_validators=record_validators(access, identity.key))
     try:
         for maddr in visible_multiaddrs(dht):
             print(f"initial peers: {maddr}", flush=True)

@@ -33,6 +33,21 @@ def _parser() -> argparse.ArgumentParser:
     add_config_arguments(status, sections=("network",))
     status.set_defaults(handler=_status)
 
+    run_key = commands.add_parser("run-key", help="create a private run's key (its owner keeps it)", allow_abbrev=False)
+    run_key.add_argument("--out", type=Path, required=True, help="key file to create (an existing one is kept)")
+    run_key.set_defaults(handler=_run_key)
+
+    identity = commands.add_parser("identity", help="create a peer identity and print its peer id", allow_abbrev=False)
+    identity.add_argument("--identity-path", type=Path, required=True, help="key file (created if missing)")
+    identity.set_defaults(handler=_identity)
+
+    admit = commands.add_parser("admit", help="admit a peer id to a private run", allow_abbrev=False)
+    admit.add_argument("--run-key", type=Path, required=True, help="the run key file (from run-key)")
+    admit.add_argument("--run-id", required=True, help="the run's id")
+    admit.add_argument("--peer-id", required=True, help="the peer id to admit (from p2p-diloco identity)")
+    admit.add_argument("--out", type=Path, help="admission file to write (default: print it)")
+    admit.set_defaults(handler=_admit)
+
     demo = commands.add_parser("demo", help="bootstrap + several peers on 127.0.0.1 with the embedded model and corpus")
     demo.add_argument("--peers", type=int, default=3, help="learning units to start (default 3)")
     demo.add_argument("--duration", type=float, default=60.0, help="seconds of training per peer (default 60)")
@@ -69,6 +84,25 @@ def _status(args: argparse.Namespace) -> int:
     from p2p_diloco.status import run_status
 
     return run_status(load_network_section(args))
+
+
+def _run_key(args: argparse.Namespace) -> int:
+    from p2p_diloco.credentials import run_make_run_key
+
+    return run_make_run_key(args.out)
+
+
+def _identity(args: argparse.Namespace) -> int:
+    from p2p_diloco.credentials import run_identity
+
+    return run_identity(args.identity_path)
+
+
+def _admit(args: argparse.Namespace) -> int:
+    from p2p_diloco.credentials import run_admit
+
+    network = load_network_section(argparse.Namespace(**{"network.run_id": args.run_id}))
+    return run_admit(args.run_key, network.run_id, args.peer_id, args.out)
 
 
 def _demo(args: argparse.Namespace) -> int:

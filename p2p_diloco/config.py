@@ -158,6 +158,9 @@ class NetworkSection(_Section):
     host_maddrs: list[str] = Field(default_factory=lambda: ["/ip4/127.0.0.1/tcp/0"], description="listen addresses")
     announce_maddrs: list[str] = Field(default_factory=list, description="addresses announced to other peers")
     identity_path: str | None = Field(None, description="private key file: a stable peer id across restarts")
+    admission: str | None = Field(
+        None, description="a private run's admission of this peer's identity (file from `p2p-diloco admit`)"
+    )
     join_timeout_s: float = Field(30.0, gt=0.0, description="give up reaching the initial peers after this long")
 
     @field_validator("run_id")

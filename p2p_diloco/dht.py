@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+import tempfile
 import time
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import hivemind
@@ -27,6 +30,7 @@ from p2p_diloco.lifecycle import (
     kill_process_tree,
     p2pd_sockets,
 )
+from p2p_diloco.membership import IdentityKey, MembershipError, load_identity_key, peer_id_of
 
 logger = logging.getLogger(__name__)
 
@@ -85,11 +89,45 @@ def ensure_identity(path: Path) -> Path:
     return path
 
 
-def start_dht(network: NetworkSection, *, record_validators: Iterable = (), client_mode: bool = False) -> hivemind.DHT:
+@dataclass(frozen=True)
+class Identity:
+    """A peer's libp2p identity: its key file, the key (which also signs the peer's records) and its peer id.
+    ``fresh``: made for one start (no identity file given); it is deleted once the DHT started."""
+
+    path: Path
+    key: IdentityKey
+    peer_id: str
+    fresh: bool = False
+
+
+def peer_identity(identity_path: str | None) -> Identity:
+    """The identity at ``identity_path`` (created if missing, see :func:`ensure_identity`), or a fresh one in a private
+    temporary folder. Raises NetworkError for a file that is not an RSA libp2p key."""
+    if identity_path is not None:
+        path, fresh = ensure_identity(Path(identity_path)), False
+    else:
+        path, fresh = Path(tempfile.mkdtemp(prefix="p2p-diloco-identity-")) / "identity.key", True
+        P2P.generate_identity(str(path))
+    try:
+        key = load_identity_key(path)
+    except MembershipError as error:
+        raise NetworkError(str(error)) from None
+    return Identity(path, key, peer_id_of(key.get_public_key()), fresh)
+
+
+def start_dht(
+    network: NetworkSection,
+    *,
+    identity: Identity | None = None,
+    record_validators: Iterable = (),
+    client_mode: bool = False,
+) -> hivemind.DHT:
     """Start a DHT node in a forked process and join the swarm through ``network.initial_peers`` (if any).
 
-    Raises NetworkError for malformed addresses, an unusable identity, or when no initial peer answers within
-    ``network.join_timeout_s`` (then the DHT process and its p2pd are killed before raising).
+    The node's identity is ``identity`` (a fresh one is not checked against live peers, and its file is removed once
+    the node started), else ``network.identity_path``, else one p2pd makes up. Raises NetworkError for malformed
+    addresses, an unusable identity, or when no initial peer answers within ``network.join_timeout_s`` (then the DHT
+    process and its p2pd are killed before raising).
     """
     ensure_fork_start_method()
     initial_peers = validate_multiaddrs(network.initial_peers, "--initial-peers", require_peer_id=True)
@@ -99,7 +137,9 @@ def start_dht(network: NetworkSection, *, record_validators: Iterable = (), clie
         maddr = Multiaddr(addr)
         if any(proto in maddr and maddr[proto] == "0" for proto in ("tcp", "udp")):
             raise NetworkError(f"announce multiaddr '{addr}' in --announce-maddrs needs an explicit port, not 0")
-    identity_path = str(ensure_identity(Path(network.identity_path))) if network.identity_path else None
+    if identity is None and network.identity_path:
+        identity = peer_identity(network.identity_path)
+    identity_path = str(identity.path) if identity is not None else None
 
     timeout = network.join_timeout_s
     dht = hivemind.DHT(
@@ -110,6 +150,7 @@ def start_dht(network: NetworkSection, *, record_validators: Iterable = (), clie
         host_maddrs=host_maddrs,
         announce_maddrs=announce_maddrs or None,
         identity_path=identity_path,
+        check_if_identity_free=not (identity is not None and identity.fresh),
         startup_timeout=timeout,
     )
     started = time.monotonic()
@@ -120,6 +161,9 @@ def start_dht(network: NetworkSection, *, record_validators: Iterable = (), clie
         if not isinstance(error, Exception):
             raise
         raise _as_network_error(error, network, initial_peers) from error
+    finally:
+        if identity is not None and identity.fresh:
+            shutil.rmtree(identity.path.parent, ignore_errors=True)
     logger.info(
         "dht started peer_id=%s client_mode=%s initial_peers=%d seconds=%.2f",
         dht.peer_id,

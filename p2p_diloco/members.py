@@ -18,6 +18,7 @@ them inside its averager process).
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass
 
 MAX_ROUND_LEAD = 4  # rounds a member may be ahead of the reader and still be believed
@@ -93,3 +94,13 @@ def _number(value: object) -> float | None:
     if isinstance(value, int):
         return float(value) if abs(value) < 2**63 else None
     return value if isinstance(value, float) and math.isfinite(value) else None
+
+
+def believed_rounds(claims: dict[str, int]) -> dict[str, int]:
+    """The claims (peer → outer round, from records) not far ahead of the others: a round more than MAX_ROUND_LEAD
+    above the lower median of all claims is not believed. One peer cannot move the lower median above every honest
+    claim unless it holds half of the claims."""
+    if not claims:
+        return {}
+    ceiling = statistics.median_low(claims.values()) + MAX_ROUND_LEAD
+    return {peer: claimed for peer, claimed in claims.items() if claimed <= ceiling}

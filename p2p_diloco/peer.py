@@ -18,12 +18,13 @@ from p2p_diloco.averaging import OuterAverager
 from p2p_diloco.compression import Codec, hivemind_compression
 from p2p_diloco.config import PeerConfig
 from p2p_diloco.data import load_text_data, shard_seed
-from p2p_diloco.dht import start_dht, stop_dht, visible_multiaddrs
+from p2p_diloco.dht import peer_identity, start_dht, stop_dht, visible_multiaddrs
 from p2p_diloco.lifecycle import install_stop_signals
+from p2p_diloco.membership import MemberGate, MembershipError, load_run_access
 from p2p_diloco.metrics import MetricsLog
 from p2p_diloco.model import load_model
 from p2p_diloco.plan import RoundPlan
-from p2p_diloco.records import SwarmRecords, record_validators
+from p2p_diloco.records import SwarmRecords, members_key, record_validators
 from p2p_diloco.state_sync import StateServer
 from p2p_diloco.unit import JoinError, LearningUnit, UnitNetwork
 
@@ -44,13 +45,19 @@ def run_peer(config: PeerConfig, stop: threading.Event) -> None:
     trained = [param for param in loaded.model.parameters() if param.requires_grad]
     plan = RoundPlan.for_model(config.outer, loaded.model, trained)
     run_id = config.network.run_id
-    validators = record_validators(run_id)
+    identity = peer_identity(config.network.identity_path)
+    if config.network.admission is not None and identity.fresh:
+        raise MembershipError("--admission needs the --identity-path whose peer id it admits")
+    access = load_run_access(run_id, config.network.admission, identity.peer_id)
+    validators = record_validators(access, identity.key)
+    gate = MemberGate(access, members_key(run_id))
     with contextlib.ExitStack() as owned:
-        dht = start_dht(config.network, record_validators=validators)
+        dht = start_dht(config.network, identity=identity, record_validators=validators)
         owned.callback(stop_dht, dht)
         multiaddrs = " ".join(visible_multiaddrs(dht))
         logger.info("other peers can join through: %s", multiaddrs)
-        records = SwarmRecords(dht, run_id, validators)
+        records = SwarmRecords(dht, access, validators)
+        records.publish_membership(wait=True)
         swarm_fingerprint = records.claim_model_fingerprint(loaded.fingerprint)
         if swarm_fingerprint != loaded.fingerprint:
             raise JoinError(
@@ -60,12 +67,13 @@ def run_peer(config: PeerConfig, stop: threading.Event) -> None:
         peer_id = str(dht.peer_id)
         data = load_text_data(config.data, loaded.tokenizer, shard_seed(config.model.seed, peer_id))
         keys = plan.keys(run_id, loaded.fingerprint)
-        averagers = _averagers(owned, dht, plan, keys.fragment_round, plan.round_templates(trained), plan.codec)
+        new_averagers = functools.partial(_averagers, owned, dht, plan, gate)
+        averagers = new_averagers(keys.fragment_round, plan.round_templates(trained), plan.codec)
         consensus = plan.consensus_templates() if plan.consensus else []
-        consensus_averagers = _averagers(owned, dht, plan, keys.consensus_round, consensus, "fp32")
-        state_server = StateServer(dht, keys.state(), trained, fragments=len(plan.fragments))
+        consensus_averagers = new_averagers(keys.consensus_round, consensus, "fp32")
+        state_server = StateServer(dht, keys.state(), trained, records, fragments=len(plan.fragments), gate=gate)
         owned.callback(state_server.shutdown)
-        settle = functools.partial(_settle_averager, dht, plan, keys.settle())
+        settle = functools.partial(_settle_averager, dht, plan, gate, keys.settle())
         network = UnitNetwork(averagers, consensus_averagers, state_server, records, peer_id, settle)
         install_stop_signals()  # starting a hivemind averager turned Ctrl+C off in this process
         metrics = owned.enter_context(MetricsLog(Path(config.run.work_dir) / "metrics.jsonl"))
@@ -81,18 +89,19 @@ def run_peer(config: PeerConfig, stop: threading.Event) -> None:
 
 
 def _settle_averager(
-    dht: hivemind.DHT, plan: RoundPlan, prefix: str, template: Sequence[torch.Tensor]
+    dht: hivemind.DHT, plan: RoundPlan, gate: MemberGate, prefix: str, template: Sequence[torch.Tensor]
 ) -> OuterAverager:
     """The averager of a unit's settle rounds at exit (rounds.py): fp32, groups as large as hivemind takes, so that
     every unit leaving at the same boundary meets; the unit shuts it down."""
     return OuterAverager(dht, prefix, template, quorum=1, target_group_size=SETTLE_GROUP_SIZE,
-                         allreduce_timeout_s=plan.allreduce_timeout_s)  # fmt: skip
+                         allreduce_timeout_s=plan.allreduce_timeout_s, gate=gate)  # fmt: skip
 
 
 def _averagers(
     owned: contextlib.ExitStack,
     dht: hivemind.DHT,
     plan: RoundPlan,
+    gate: MemberGate,
     prefix: Callable[[int], str],
     templates: list[list[torch.Tensor]],
     codec: Codec,
@@ -108,6 +117,7 @@ def _averagers(
             target_group_size=plan.target_group_size,
             allreduce_timeout_s=plan.allreduce_timeout_s,
             compression=hivemind_compression(codec),
+            gate=gate,
         )
         owned.callback(averager.shutdown)
         averagers.append(averager)

@@ -1,9 +1,11 @@
 """Typed, signed, expiring DHT records of one run: per-peer progress and the swarm's model fingerprint.
 
 Keys are namespaced by run id: ``{run_id}_progress`` holds one subkey per peer, and that subkey carries the peer's
-RSA public key, so only its owner can write it (``RSASignatureValidator``); ``{run_id}_model`` holds the fingerprint
-of the model the swarm trains. ``SchemaValidator`` rejects malformed values on store and on read, so they never
-reach honest peers. The ``peer_id`` inside a progress record is self-declared (not bound to the signing key).
+RSA public key, so only its owner can write it (``RSASignatureValidator``); ``{run_id}_members`` holds, the same way,
+the admission of every member of a private run; ``{run_id}_model`` holds the fingerprint of the model the swarm
+trains. ``SchemaValidator`` rejects malformed values and ``RunRecordValidator`` (membership.py) records whose
+``peer_id`` is not their signer's, or whose signer a private run did not admit, on store and on read, so they never
+reach honest peers. A unit signs with its libp2p identity's key, so the two peer ids are the same.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from hivemind.dht.schema import BytesWithPublicKey, RSASignatureValidator, Schem
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
+from p2p_diloco.membership import RunAccess, RunRecordValidator
+
 logger = logging.getLogger(__name__)
 
 DHT_TIMEOUT_S = 10.0
@@ -30,10 +34,18 @@ if TYPE_CHECKING:  # pydantic.v1's constrained types are calls, which a type che
     _SHORT_TEXT = str
     _COUNT = int
     _NON_NEGATIVE = float
+    _ADMISSION_TEXT = str
+    _STATE_KEY = str
+    _DIGEST = str
+    _ROUNDS = list[int]
 else:
     _SHORT_TEXT = pydantic.constr(strict=True, min_length=1, max_length=128)
     _COUNT = pydantic.conint(strict=True, ge=0)
     _NON_NEGATIVE = pydantic.confloat(strict=True, ge=0.0)
+    _ADMISSION_TEXT = pydantic.constr(strict=True, max_length=2048)
+    _STATE_KEY = pydantic.constr(strict=True, min_length=1, max_length=512)
+    _DIGEST = pydantic.constr(strict=True, regex=r"^[0-9a-f]{64}$")
+    _ROUNDS = pydantic.conlist(_COUNT, min_items=1, max_items=4096)
 Phase = Literal["training", "finishing", "left"]
 """Where a unit is in its life, as its progress record says."""
 _FLOAT_FIELDS = ("tokens_per_s", "loss", "last_seen", "useful_compute_s", "allocated_s")
@@ -57,6 +69,7 @@ class PeerProgress(pydantic.BaseModel):
     useful_compute_s: _NON_NEGATIVE = 0.0  # goodput numerator (p2p_diloco/goodput.py); 0.0 from older peers
     allocated_s: _NON_NEGATIVE = 0.0  # goodput denominator; 0.0 from older peers
     phase: Phase = "training"  # "finishing": in its final and settle rounds; "left": its last record
+    admission: _ADMISSION_TEXT = ""  # a private run's admission of ``peer_id`` (membership.py); "" in an open run
 
     class Config:
         extra = pydantic.Extra.forbid
@@ -72,20 +85,60 @@ class PeerProgress(pydantic.BaseModel):
         return value
 
 
+class MemberCard(pydantic.BaseModel):
+    """A member of a private run, as the averagers' gates read it (membership.py ``MemberGate``)."""
+
+    peer_id: _SHORT_TEXT
+    admission: _ADMISSION_TEXT
+
+    class Config:
+        extra = pydantic.Extra.forbid
+
+
+class DonorRecord(pydantic.BaseModel):
+    """A unit that serves its state (state_sync.py): under which averager prefix, at which fragment rounds, and the
+    SHA-256 of the tensors it serves (the download is checked against it)."""
+
+    peer_id: _SHORT_TEXT
+    state_key: _STATE_KEY
+    fragment_rounds: _ROUNDS
+    digest: _DIGEST
+    admission: _ADMISSION_TEXT = ""
+
+    class Config:
+        extra = pydantic.Extra.forbid
+
+    @property
+    def outer_round(self) -> int:
+        return min(self.fragment_rounds)
+
+
 class _RunSchema(pydantic.BaseModel):
     """Schema of the DHT keys of one run (``SchemaValidator`` prefixes each field with ``{run_id}_``)."""
 
     progress: dict[BytesWithPublicKey, PeerProgress | None]
+    members: dict[BytesWithPublicKey, MemberCard | None]
+    donors: dict[BytesWithPublicKey, DonorRecord | None]
     model: _SHORT_TEXT
 
 
-def record_validators(run_id: str, private_key: RSAPrivateKey | None = None) -> list:
-    """Validators to pass to ``start_dht``: the schema of ``run_id``'s keys and record signatures.
+def members_key(run_id: str) -> str:
+    return f"{run_id}_members"
 
-    Records are signed with ``private_key``, by default the process-wide key that other hivemind components share;
-    several DHT nodes in one process (tests) need one key each to own distinct subkeys.
+
+def record_validators(access: RunAccess, private_key: RSAPrivateKey | None = None) -> list:
+    """Validators to pass to ``start_dht``: the schema of the run's keys, record signatures, and the binding of each
+    record's peer id to its signer (with ``access``'s membership rule).
+
+    Records are signed with ``private_key`` (a unit gives its libp2p identity's key, so that its records name its peer
+    id), by default the process-wide key that other hivemind components share.
     """
-    return [SchemaValidator(_RunSchema, prefix=run_id), RSASignatureValidator(private_key)]
+    signed_keys = (f"{access.run_id}_progress", members_key(access.run_id), f"{access.run_id}_donors")
+    return [
+        SchemaValidator(_RunSchema, prefix=access.run_id),
+        RSASignatureValidator(private_key),
+        RunRecordValidator(access, signed_keys),
+    ]
 
 
 class ProgressRecords(Protocol):
@@ -98,6 +151,8 @@ class ProgressRecords(Protocol):
     def read_progress_soon(self) -> PendingProgress: ...
 
     def refresh_model_fingerprint(self, fingerprint: str, ttl_s: float = 3600) -> None: ...
+
+    def publish_membership(self, ttl_s: float = 3600, wait: bool = False) -> None: ...
 
 
 class PendingProgress:
@@ -154,28 +209,55 @@ def latest_progress(found: hivemind.utils.ValueWithExpiration | None) -> dict[st
 
 
 class SwarmRecords:
-    """Reads and writes the records of run ``run_id`` through ``dht``.
+    """Reads and writes the records of the run ``access.run_id`` through ``dht``, as ``access`` allows.
 
-    ``validators`` must be the list given to ``start_dht`` (it holds the signing key); if None, fresh validators
-    are added to the running DHT.
+    ``validators`` must be the list given to ``start_dht`` (``record_validators``: it holds the signing key).
     """
 
-    def __init__(self, dht: hivemind.DHT, run_id: str, validators: list | None = None):
-        if validators is None:
-            validators = record_validators(run_id)
-            dht.add_validators(validators)
+    def __init__(self, dht: hivemind.DHT, access: RunAccess, validators: list):
         signers = [validator for validator in validators if isinstance(validator, RSASignatureValidator)]
         if not signers:
-            raise ValueError("validators must include an RSASignatureValidator (use record_validators(run_id))")
-        self.dht, self.run_id = dht, run_id
-        self.progress_key, self.model_key = f"{run_id}_progress", f"{run_id}_model"
+            raise ValueError("validators must include an RSASignatureValidator (use record_validators)")
+        self.dht, self.access, self.run_id = dht, access, access.run_id
+        self.progress_key, self.model_key = f"{self.run_id}_progress", f"{self.run_id}_model"
+        self.donors_key = f"{self.run_id}_donors"
         self._subkey = signers[0].local_public_key
 
     def publish_progress(self, progress: PeerProgress, ttl_s: float = 60, wait: bool = False) -> None:
-        """Store ``progress`` under this peer's signed subkey for ``ttl_s`` seconds. Never raises on network
-        failures: logs a warning instead. Returns at once unless ``wait`` (then blocks at most ``DHT_TIMEOUT_S``),
-        so a training loop never waits on the DHT."""
-        self._store(self.progress_key, progress.dict(), ttl_s, subkey=self._subkey, wait=wait)
+        """Store ``progress`` (with this peer's admission in a private run) under this peer's signed subkey for
+        ``ttl_s`` seconds. Never raises on network failures: logs a warning instead. Returns at once unless ``wait``
+        (then blocks at most ``DHT_TIMEOUT_S``), so a training loop never waits on the DHT."""
+        value = progress.copy(update={"admission": self.access.admission}).dict()
+        self._store(self.progress_key, value, ttl_s, subkey=self._subkey, wait=wait)
+
+    def publish_donor(self, donor: DonorRecord, ttl_s: float = 300) -> None:
+        """Declare (signed, with this peer's admission in a private run) that this peer serves ``donor``'s state;
+        returns at once, warns on failures."""
+        value = donor.copy(update={"admission": self.access.admission}).dict()
+        self._store(self.donors_key, value, ttl_s, subkey=self._subkey, wait=False)
+
+    def read_donors(self, state_key: str) -> dict[str, DonorRecord]:
+        """The unexpired, well-formed donor records serving ``state_key``, by peer id (blocks at most
+        ``DHT_TIMEOUT_S``; empty, with a warning, when the DHT cannot be read)."""
+        found = self._get(self.donors_key)
+        if found is None or not isinstance(found.value, dict):
+            return {}
+        now, donors = get_dht_time(), {}
+        for item in found.value.values():
+            try:
+                donor = DonorRecord.parse_obj(item.value)
+            except (pydantic.ValidationError, TypeError):
+                continue
+            if item.expiration_time > now and donor.state_key == state_key:
+                donors[donor.peer_id] = donor
+        return donors
+
+    def publish_membership(self, ttl_s: float = 3600, wait: bool = False) -> None:
+        """In a private run, store this peer's admission where the members' averagers look callers up (membership.py
+        ``MemberGate``); call it before the first round or download, and again within ``ttl_s``. Open run: nothing."""
+        if self.access.private:
+            card = MemberCard(peer_id=str(self.dht.peer_id), admission=self.access.admission)
+            self._store(members_key(self.run_id), card.dict(), ttl_s, subkey=self._subkey, wait=wait)
 
     def read_progress(self) -> dict[str, PeerProgress]:
         """Unexpired, well-formed progress records by peer id (the freshest one if a peer id appears twice).

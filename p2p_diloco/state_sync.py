@@ -1,13 +1,22 @@
 """Serve and download the swarm's global state (φ, outer momentum, counters) for joiners and stragglers.
 
-Every live learning unit serves its latest consensus state through a hivemind averager that never averages:
-it only answers state downloads (``load_state_from_peers``), and donors are tried in order of their outer
-round, freshest first. The bootstrap node serves nothing: state always comes from a live unit.
+Every live learning unit serves its latest consensus state through a hivemind averager that never averages: it
+only answers state downloads, to members of the run (averaging.py ``GatedAverager``). After every publication it
+declares itself a donor in a signed record (records.py ``DonorRecord``: its fragment rounds and the SHA-256 of the
+tensors it serves). The bootstrap node serves nothing: state always comes from a live unit.
+
+A joiner trusts no single donor (:meth:`StateServer.download`):
+
+* a donor whose round is far ahead of the other donors' is not believed (members.py ``believed_rounds``);
+* the believed donors are tried freshest first, and each download is checked before use: the SHA-256 the donor
+  declared, then tensor count, shapes, dtypes, finite values and sane counters;
+* a state is taken once a second donor's download agrees with it (φ within ``CORROBORATION_TOLERANCE`` of each
+  other, relative to ‖φ‖); donors that disagree are outvoted by the next ones. A state no other download
+  contradicts is taken alone only when it is the only one that could be downloaded. So a joiner downloads twice
+  whenever two donors answer.
 
 Wire layout of a state: ``[*global_params, *momentum, counters]`` where ``counters`` is a float64 tensor
-``[format, inner_step, tokens, *fragment_rounds]`` (one outer round per streaming fragment). A download is
-validated before use (tensor count, shapes, dtypes, finite values, sane counters); an invalid or missing state
-yields None and a logged reason.
+``[format, inner_step, tokens, *fragment_rounds]`` (one outer round per streaming fragment).
 
 A download serves one publication whole: :class:`_SnapshotAverager` hands hivemind a copy of the state taken under
 its tensors' lock, so a publication that lands while a peer streams the state cannot mix two rounds' tensors.
@@ -15,27 +24,41 @@ its tensors' lock, so a publication that lands while a peer streams the state ca
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
+import random
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import hivemind
 import torch
+from hivemind.compression import deserialize_torch_tensor
+from hivemind.p2p import PeerID
+from hivemind.proto import averaging_pb2
+from hivemind.utils.asyncio import aiter_with_timeout
+from hivemind.utils.mpfuture import MPFuture
+from hivemind.utils.streaming import combine_from_streaming
+
+from p2p_diloco.averaging import GatedAverager
+from p2p_diloco.diloco import distance
+from p2p_diloco.members import believed_rounds
+from p2p_diloco.membership import MemberGate
+from p2p_diloco.records import DonorRecord
 
 logger = logging.getLogger(__name__)
 
 STATE_FORMAT = 2.0
-# How often the server re-declares itself as a donor in the DHT. hivemind runs each declaration as a task bounded by
-# this period and never retrieves its result: a DHT store slower than the period (a contended machine, a large swarm)
-# logs "Task exception was never retrieved: TimeoutError". 10 s halves those stores (and their failures) against the
-# former 5 s; a new donor is found at most 10 s after its first publication.
-DECLARE_STATE_PERIOD_S = 10.0
 # hivemind gives up a download when the donor sends no chunk for request_timeout (3 s here) unless
 # next_chunk_timeout is set; a donor first copies its whole state (SmolLM2: 1.1 GB) and a busy 2-core machine took
 # longer than 3 s for that, so a late SmolLM2 joiner failed every attempt until its join timeout (measured).
 STATE_CHUNK_TIMEOUT_S = 30.0
+CORROBORATION_TOLERANCE = 0.05
+"""Two downloads agree when ‖φ_a − φ_b‖ ≤ this × ‖φ_a‖ (honest donors rounds apart differ by their outer steps)."""
+DONOR_TTL_S = 300.0
+STREAM_SLACK_BYTES = 1 << 20  # a download may exceed the state's size by this much (serialization overhead)
 
 
 @dataclass
@@ -60,19 +83,78 @@ class StateService(Protocol):
     def download(self, timeout_s: float) -> SwarmState | None: ...
 
 
-class _SnapshotAverager(hivemind.DecentralizedAverager):
-    """hivemind's averager whose state downloads stream a copy of its tensors. hivemind's ``get_current_state`` (the
-    hook it documents for overriding) returns the live shared buffers, which the averager process then compresses
-    tensor by tensor after the lock is released: a publication in between mixed two rounds' tensors (seen in a swarm
-    test, a joiner's φ between the donors' φ of rounds 7 and 8)."""
+class DonorRecords(Protocol):
+    """Where donors are declared and found (records.py ``SwarmRecords``)."""
+
+    def publish_donor(self, donor: DonorRecord, ttl_s: float = DONOR_TTL_S) -> None: ...
+
+    def read_donors(self, state_key: str) -> dict[str, DonorRecord]: ...
+
+
+def state_digest(tensors: Sequence[torch.Tensor]) -> str:
+    """SHA-256 over the tensors' bytes, in order (what a donor declares and a joiner checks)."""
+    digest = hashlib.sha256()
+    for tensor in tensors:
+        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().data)
+    return digest.hexdigest()
+
+
+class _SnapshotAverager(GatedAverager):
+    """The gated averager (members only, averaging.py) that serves a copy of its tensors and downloads from one
+    chosen donor. hivemind's ``get_current_state`` (the hook it documents for overriding) returns the live shared
+    buffers, which the averager process then compresses tensor by tensor after the lock is released: a publication in
+    between mixed two rounds' tensors (seen in a swarm test, a joiner's φ between the donors' φ of rounds 7 and 8).
+    hivemind's own donor declarations (unsigned, anyone may write them) and its download (the first donor that
+    answers, whatever it sends) are not used: :class:`StateServer` declares signed records and picks donors."""
+
+    _rpc_handlers = None  # hivemind caches RPC handlers per class: a subclass must collect its own
+    _stub_type = None
 
     def get_current_state(self) -> tuple[Any, Sequence[torch.Tensor], Any]:
         with self.get_tensors() as tensors:
             return dict(group_key=self.get_group_bits()), [tensor.clone() for tensor in tensors], self.tensor_infos
 
+    async def _declare_for_download_periodically(self) -> None:
+        return  # donors are declared in signed records (StateServer.publish)
+
+    def fetch_state(self, peer_id: str, max_bytes: int, timeout_s: float) -> list[torch.Tensor]:
+        """The tensors ``peer_id`` serves, streamed within ``timeout_s``; raises on failure, on a silent donor and
+        on a stream longer than ``max_bytes``."""
+        future: MPFuture = MPFuture()
+        self._outer_pipe.send(("_fetch_state", [], dict(peer_id=peer_id, max_bytes=max_bytes, future=future)))
+        return future.result(timeout=timeout_s)
+
+    async def _fetch_state(self, peer_id: str, max_bytes: int, future: MPFuture) -> None:
+        try:
+            future.set_result(await self._stream_state(peer_id, max_bytes))
+        except BaseException as error:
+            future.set_exception(error)
+            if not isinstance(error, Exception):
+                raise
+
+    async def _stream_state(self, peer_id: str, max_bytes: int) -> list[torch.Tensor]:
+        stub = self.get_stub(self._p2p, PeerID.from_base58(peer_id), namespace=self.prefix)
+        stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
+        tensors: list[torch.Tensor] = []
+        parts: list[Any] = []
+        received = 0
+        async for message in aiter_with_timeout(stream, timeout=self.next_chunk_timeout):
+            received += len(message.tensor_part.buffer)
+            if received > max_bytes:
+                raise ValueError(f"the donor streamed over {max_bytes} bytes")
+            if message.tensor_part.dtype and parts:
+                tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+                parts = []
+            parts.append(message.tensor_part)
+        if parts:
+            tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+        return tensors
+
 
 class StateServer:
-    """Publishes this unit's consensus state to the swarm and downloads other units' states.
+    """Publishes this unit's consensus state to the swarm and downloads other units' states (see the module
+    docstring); serves only members of the run when ``gate`` says so (default: everyone). ``donors`` holds the
+    signed donor records; ``peer_id`` is this unit's (it never downloads from itself).
 
     Owns a hivemind averager process; call :meth:`shutdown` to stop it.
     """
@@ -82,14 +164,19 @@ class StateServer:
         dht: hivemind.DHT,
         prefix: str,
         template: Sequence[torch.Tensor],
+        donors: DonorRecords,
         fragments: int = 1,
         request_timeout_s: float = 3.0,
+        gate: MemberGate | None = None,
     ):
         self._shapes = [tuple(tensor.shape) for tensor in template]
-        self._fragments = fragments
+        self._fragments, self._prefix, self._donors = fragments, prefix, donors
+        self._peer_id = str(dht.peer_id)
+        buffers = [torch.zeros(shape) for shape in self._shapes * 2] + [torch.zeros(3 + fragments, dtype=torch.float64)]
+        self._max_bytes = sum(buffer.numel() * buffer.element_size() for buffer in buffers) + STREAM_SLACK_BYTES
         self._averager = _SnapshotAverager(
-            averaged_tensors=[torch.zeros(shape) for shape in self._shapes * 2]
-            + [torch.zeros(3 + fragments, dtype=torch.float64)],
+            gate=gate if gate is not None else MemberGate.everyone(),
+            averaged_tensors=buffers,
             dht=dht,
             start=True,
             prefix=prefix,
@@ -98,12 +185,12 @@ class StateServer:
             request_timeout=request_timeout_s,
             next_chunk_timeout=STATE_CHUNK_TIMEOUT_S,
             allow_state_sharing=False,
-            declare_state_period=DECLARE_STATE_PERIOD_S,
         )
 
     def publish(self, state: SwarmState) -> None:
-        """Make ``state`` the one served to peers (copied); sharing starts with the first publication.
-        Raises ValueError when it has another number of fragment rounds than this server was made for."""
+        """Make ``state`` the one served to peers (copied) and declare this unit a donor of it; sharing starts with
+        the first publication. Raises ValueError when it has another number of fragment rounds than this server was
+        made for."""
         if len(state.fragment_rounds) != self._fragments:
             raise ValueError(f"expected {self._fragments} fragment rounds, got {len(state.fragment_rounds)}")
         with self._averager.get_tensors() as buffers:
@@ -114,23 +201,70 @@ class StateServer:
                     [STATE_FORMAT, state.inner_step, state.tokens, *state.fragment_rounds], dtype=torch.float64
                 )
             )
-        self._averager.state_sharing_priority = float(state.outer_round)
+            digest = state_digest(buffers)
         self._averager.allow_state_sharing = True
+        self._donors.publish_donor(DonorRecord(peer_id=self._peer_id, state_key=self._prefix,
+                                               fragment_rounds=list(state.fragment_rounds), digest=digest))  # fmt: skip
 
     def download(self, timeout_s: float) -> SwarmState | None:
-        """Download the freshest donor's state, or None when no donor answered or its state was invalid."""
+        """A state corroborated by two donors (see the module docstring) within about ``timeout_s``, or None (logged)
+        when there is none yet: no believed donor, no valid download, or downloads that disagree. Never raises for
+        network failures."""
+        donors = self._believed_donors()
+        if not donors:
+            logger.info("no donor serves the state yet")
+            return None
+        deadline = time.monotonic() + timeout_s
+        taken: list[tuple[DonorRecord, SwarmState]] = []
+        for donor in donors:
+            if time.monotonic() >= deadline:
+                break
+            state = self._download_from(donor, max(1.0, deadline - time.monotonic()))
+            if state is None:
+                continue
+            for earlier, earlier_state in taken:
+                gap = _relative_gap(earlier_state, state)
+                if gap <= CORROBORATION_TOLERANCE:
+                    logger.info("state of %s corroborated by %s (relative distance %.2e)", earlier.peer_id,
+                                donor.peer_id, gap)  # fmt: skip
+                    return earlier_state
+                logger.warning("states of %s and %s disagree (relative distance %.2e)", earlier.peer_id,
+                               donor.peer_id, gap)  # fmt: skip
+            taken.append((donor, state))
+        if len(taken) == 1:
+            logger.warning(
+                "state of %s taken uncorroborated: no other donor's could be downloaded", taken[0][0].peer_id
+            )
+            return taken[0][1]
+        return None
+
+    def _believed_donors(self) -> list[DonorRecord]:
+        """The other units' donor records whose rounds are believed, freshest first (ties in random order)."""
+        donors = {
+            peer: donor for peer, donor in self._donors.read_donors(self._prefix).items() if peer != self._peer_id
+        }
+        believed = believed_rounds({peer: donor.outer_round for peer, donor in donors.items()})
+        for peer in donors.keys() - believed.keys():
+            logger.warning("donor %s claims outer round %d, far ahead of the others (not believed)", peer,
+                           donors[peer].outer_round)  # fmt: skip
+        order = sorted(believed, key=lambda peer: (believed[peer], random.random()), reverse=True)
+        return [donors[peer] for peer in order]
+
+    def _download_from(self, donor: DonorRecord, timeout_s: float) -> SwarmState | None:
         try:
-            loaded = self._averager.load_state_from_peers(timeout=timeout_s)
+            tensors = self._averager.fetch_state(donor.peer_id, self._max_bytes, timeout_s)
         except Exception as error:  # a failed download is an expected event in a churning swarm
-            logger.warning("state download failed: %s", error)
+            logger.warning("state download from %s failed: %s", donor.peer_id, error or type(error).__name__)
             return None
-        if loaded is None:
-            return None
-        _metadata, tensors = loaded
         try:
-            return self._validated(tensors)
-        except ValueError as error:
-            logger.warning("rejected a downloaded state: %s", error)
+            if state_digest(tensors) != donor.digest:
+                raise ValueError("its SHA-256 differs from the one the donor declared")
+            state = self._validated(tensors)
+            if state.fragment_rounds != donor.fragment_rounds:
+                raise ValueError("its rounds differ from the ones the donor declared")
+            return state
+        except (ValueError, TypeError) as error:
+            logger.warning("rejected the state downloaded from %s: %s", donor.peer_id, error)
             return None
 
     def _validated(self, tensors: Sequence[torch.Tensor]) -> SwarmState:
@@ -168,3 +302,9 @@ class StateServer:
         """Stop serving. The donor record expires by itself; a joiner that still tries us moves on to the next
         donor. (Switching sharing off first would make the averager write to the DHT while it shuts down.)"""
         self._averager.shutdown()
+
+
+def _relative_gap(first: SwarmState, second: SwarmState) -> float:
+    """‖φ_first − φ_second‖ / ‖φ_first‖."""
+    norm = math.sqrt(sum(float(tensor.double().pow(2).sum()) for tensor in first.global_params))
+    return distance(first.global_params, second.global_params) / max(norm, 1e-30)

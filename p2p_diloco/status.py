@@ -8,6 +8,7 @@ from hivemind.utils import get_dht_time
 
 from p2p_diloco.config import ConfigError, NetworkSection
 from p2p_diloco.dht import start_dht, stop_dht
+from p2p_diloco.membership import load_run_access
 from p2p_diloco.records import PeerProgress, SwarmRecords, record_validators
 
 _HEADER = ("peer", "inner step", "outer round", "tokens/s", "loss", "last seen", "group size", "goodput")
@@ -18,15 +19,17 @@ def run_status(network: NetworkSection, stale_after_s: float = 60) -> int:
     stderr when no peer reported. Rows older than ``stale_after_s`` are marked. Raises ConfigError without
     initial peers and NetworkError when the swarm cannot be reached.
 
-    Joins with a fresh, throw-away identity (never ``network.identity_path``: that one may belong to a live peer).
+    Joins with a fresh, throw-away identity (never ``network.identity_path``: that one may belong to a live peer). With
+    ``network.admission`` (any member's), only the private run's members are shown.
     """
     if not network.initial_peers:
         raise ConfigError("status needs --initial-peers (a multiaddr of any live swarm member)")
+    access = load_run_access(network.run_id, network.admission, peer_id=None)
     network = network.model_copy(update={"identity_path": None})
-    validators = record_validators(network.run_id)
+    validators = record_validators(access)
     dht = start_dht(network, record_validators=validators, client_mode=True)
     try:
-        progress = SwarmRecords(dht, network.run_id, validators).read_progress()
+        progress = SwarmRecords(dht, access, validators).read_progress()
     finally:
         stop_dht(dht)
     if not progress:

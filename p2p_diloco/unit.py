@@ -37,6 +37,7 @@ from p2p_diloco.data import TextData
 from p2p_diloco.errors import UserError
 from p2p_diloco.goodput import LEDGER_FILE, GoodputLedger
 from p2p_diloco.inner import InnerTrainer, StepStats
+from p2p_diloco.members import believed_rounds
 from p2p_diloco.metrics import MetricsLog, ProgressBars, Throughput
 from p2p_diloco.model import LoadedModel, export_pretrained
 from p2p_diloco.plan import FINAL_ROUND_SLACK_S, RoundPlan
@@ -109,8 +110,9 @@ class LearningUnit:
         if checkpoint is not None and checkpoint.get("model_fingerprint") != self.loaded.fingerprint:
             raise JoinError(f"{self.checkpoint_path} holds a checkpoint of another model; use another --work-dir")
         local_round = int(checkpoint["outer_round"]) if checkpoint is not None else -1
-        others = [record for pid, record in self.network.records.read_progress().items() if pid != self.network.peer_id]
-        swarm_round = max((record.outer_round for record in others), default=-1)
+        records = self.network.records.read_progress()
+        claims = {peer: record.outer_round for peer, record in records.items() if peer != self.network.peer_id}
+        swarm_round = max(believed_rounds(claims).values(), default=-1)
         if swarm_round > max(local_round, 0):
             state = self._download(swarm_round)
             self.engine.load_state(state.global_params, state.momentum, state.fragment_rounds)
@@ -261,6 +263,7 @@ class LearningUnit:
             self.ledger.save(self.ledger_path)
             self._publish_state()
             self.network.records.refresh_model_fingerprint(self.loaded.fingerprint)
+            self.network.records.publish_membership()
         self.metrics.write(events.OuterRound(
             status="merged" if end.status is RoundStatus.MERGED else "alone", fragment=end.fragment,
             outer_round=end.outer_round, unit_outer_round=end.unit_outer_round, group_size=end.group_size,

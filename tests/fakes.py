@@ -232,6 +232,9 @@ class FakeRecords:
     def refresh_model_fingerprint(self, fingerprint: str, ttl_s: float = 3600) -> None:
         self.fingerprints.append(fingerprint)
 
+    def publish_membership(self, ttl_s: float = 3600, wait: bool = False) -> None:
+        pass
+
 
 class TimedGroup(FakeGroup):
     """Members meet when they scheduled their rounds for the same moment of the test's clock (within ``tolerance_s``)

@@ -3,11 +3,18 @@ tokens per step, a round every 10 steps."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from bench.swarm import Swarm, wait_until
+from p2p_diloco.config import NetworkSection
+from p2p_diloco.dht import peer_identity, start_dht, stop_dht, visible_multiaddrs
 from p2p_diloco.lifecycle import is_running, kill_process_tree
+from p2p_diloco.membership import RunAccess
+from p2p_diloco.records import SwarmRecords, record_validators
 
+RUN_ID = "test"
 QUICK_UNIT_FLAGS = ("--seq-len", "64", "--batch-size", "4", "--inner-steps", "10", "--join-timeout-s", "30")
 
 
@@ -27,3 +34,25 @@ def close_leaving_nothing(swarm: Swarm, gone_s: float = 15.0) -> None:
         for pid in survivors:
             kill_process_tree(pid)
         raise AssertionError(f"processes outlived the swarm: {survivors}") from None
+
+
+@contextlib.contextmanager
+def record_peers(
+    count: int, access: Callable[[int, str], RunAccess] = lambda _index, _peer_id: RunAccess(RUN_ID)
+) -> Iterator[list[SwarmRecords]]:
+    """``count`` DHT servers on 127.0.0.1 (each joined through the first), each signing its records with its own fresh
+    libp2p identity as a unit does, peer ``index`` with the rules ``access(index, its peer id)``; stopped on exit."""
+    started: list[SwarmRecords] = []
+    try:
+        for index in range(count):
+            identity = peer_identity(None)
+            rules = access(index, identity.peer_id)
+            validators = record_validators(rules, identity.key)
+            initial = visible_multiaddrs(started[0].dht) if started else []
+            network = NetworkSection(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=initial)
+            dht = start_dht(network, identity=identity, record_validators=validators)
+            started.append(SwarmRecords(dht, rules, validators))
+        yield started
+    finally:
+        for peer in started:
+            stop_dht(peer.dht)

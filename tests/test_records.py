@@ -7,13 +7,14 @@ from concurrent.futures import Future
 
 import pytest
 from hivemind.utils import get_dht_time
-from hivemind.utils.crypto import RSAPrivateKey
+from swarms import record_peers
 
 from bench.swarm import wait_until
 from p2p_diloco import records
 from p2p_diloco.config import NetworkSection
-from p2p_diloco.dht import start_dht, stop_dht, visible_multiaddrs
-from p2p_diloco.records import PeerProgress, PendingProgress, SwarmRecords, in_phase, record_validators
+from p2p_diloco.dht import stop_dht, visible_multiaddrs
+from p2p_diloco.membership import RunAccess
+from p2p_diloco.records import PeerProgress, PendingProgress, SwarmRecords, in_phase
 from p2p_diloco.status import format_table, run_status
 
 pytestmark = pytest.mark.swarm
@@ -38,48 +39,43 @@ def progress(peer_id: str, **overrides) -> PeerProgress:
 
 @pytest.fixture
 def swarm():
-    """Two DHT servers (the second joined through the first), each with its own signing key."""
-    started = []
-    try:
-        validators_a = record_validators(RUN_ID, RSAPrivateKey())
-        first = start_dht(NetworkSection(host_maddrs=LOCAL), record_validators=validators_a)
-        started.append(first)
-        validators_b = record_validators(RUN_ID, RSAPrivateKey())
-        second = start_dht(
-            NetworkSection(host_maddrs=LOCAL, initial_peers=visible_multiaddrs(first)), record_validators=validators_b
-        )
-        started.append(second)
-        yield SwarmRecords(first, RUN_ID, validators_a), SwarmRecords(second, RUN_ID, validators_b)
-    finally:
-        for dht in started:
-            stop_dht(dht)
+    """Two DHT servers of an open run (the second joined through the first), each signing with its identity."""
+    with record_peers(2, lambda _index, _peer_id: RunAccess(RUN_ID)) as (first, second):
+        yield first, second
+
+
+def ids(*peers: SwarmRecords) -> list[str]:
+    return [str(peer.dht.peer_id) for peer in peers]
 
 
 def test_progress_round_trip_between_peers(swarm):
     a, b = swarm
-    mine = progress("peer-a")
+    pa, pb = ids(a, b)
+    mine = progress(pa)
     a.publish_progress(mine, wait=True)
-    wait_until(lambda: "peer-a" in b.read_progress(), 10, "peer-a's record on peer b")
-    assert b.read_progress()["peer-a"] == mine
-    b.publish_progress(progress("peer-b", inner_step=0, tokens_per_s=0), wait=True)
-    wait_until(lambda: set(a.read_progress()) == {"peer-a", "peer-b"}, 10, "both records on peer a")
+    wait_until(lambda: pa in b.read_progress(), 10, "peer-a's record on peer b")
+    assert b.read_progress()[pa] == mine
+    b.publish_progress(progress(pb, inner_step=0, tokens_per_s=0), wait=True)
+    wait_until(lambda: set(a.read_progress()) == {pa, pb}, 10, "both records on peer a")
 
 
 def test_a_record_of_another_phase_replaces_the_last_one(swarm):
     a, b = swarm
-    a.publish_progress(progress("peer-a"), wait=True)
-    b.publish_progress(progress("peer-b"), wait=True)
-    wait_until(lambda: set(in_phase(b.read_progress(), "training")) == {"peer-a", "peer-b"}, 10, "both records")
-    a.publish_progress(progress("peer-a", phase="left"), wait=True)
-    wait_until(lambda: set(in_phase(b.read_progress(), "training")) == {"peer-b"}, 10, "peer-a's last record")
-    assert set(in_phase(b.read_progress(), "left")) == {"peer-a"}
+    pa, pb = ids(a, b)
+    a.publish_progress(progress(pa), wait=True)
+    b.publish_progress(progress(pb), wait=True)
+    wait_until(lambda: set(in_phase(b.read_progress(), "training")) == {pa, pb}, 10, "both records")
+    a.publish_progress(progress(pa, phase="left"), wait=True)
+    wait_until(lambda: set(in_phase(b.read_progress(), "training")) == {pb}, 10, "peer-a's last record")
+    assert set(in_phase(b.read_progress(), "left")) == {pa}
 
 
 def test_progress_read_without_waiting(swarm):
     """``read_progress_soon`` returns a read to poll; once over, it holds what ``read_progress`` returns."""
     a, b = swarm
-    a.publish_progress(progress("peer-a"), wait=True)
-    wait_until(lambda: "peer-a" in b.read_progress(), 10, "peer-a's record on peer b")
+    pa, pb = ids(a, b)
+    a.publish_progress(progress(pa), wait=True)
+    wait_until(lambda: pa in b.read_progress(), 10, "peer-a's record on peer b")
     pending = b.read_progress_soon()
     found: list[dict[str, PeerProgress]] = []
     wait_until(lambda: found.append(pending.poll()) or found[-1] is not None, 10, "the read to end")
@@ -99,19 +95,21 @@ def test_unanswered_read_counts_as_empty(monkeypatch, caplog):
 
 def test_forged_and_malformed_records_are_rejected(swarm):
     a, b = swarm
-    original = progress("peer-a")
+    pa, pb = ids(a, b)
+    original = progress(pa)
     a.publish_progress(original, wait=True)
-    wait_until(lambda: "peer-a" in b.read_progress(), 10, "peer-a's record")
+    wait_until(lambda: pa in b.read_progress(), 10, "peer-a's record")
     expiration = get_dht_time() + 60
     key = a.progress_key
 
     forged = dict(original.dict(), loss=0.0)
     assert not b.dht.store(key, forged, expiration, subkey=a._subkey), "b overwrote a's signed subkey"
     malformed = [
-        dict(original.dict(), peer_id="peer-b", inner_step=-1),
-        dict(original.dict(), peer_id="peer-b", inner_step=1.0),  # a float where an int belongs
-        dict(original.dict(), peer_id="peer-b", extra_field=1),
-        {"peer_id": "peer-b"},
+        original.dict(),  # b's own subkey, naming a: refused (the peer id is not its signer's)
+        dict(original.dict(), peer_id=pb, inner_step=-1),
+        dict(original.dict(), peer_id=pb, inner_step=1.0),  # a float where an int belongs
+        dict(original.dict(), peer_id=pb, extra_field=1),
+        {"peer_id": pb},
     ]
     for value in malformed:
         assert not b.dht.store(key, value, expiration, subkey=b._subkey), value
@@ -119,14 +117,15 @@ def test_forged_and_malformed_records_are_rejected(swarm):
     assert not b.dht.store(a.model_key, 42, expiration), "non-string fingerprint accepted"
 
     for reader in (a, b):
-        assert reader.read_progress() == {"peer-a": original}
+        assert reader.read_progress() == {pa: original}
 
 
 def test_expired_records_disappear(swarm):
     a, b = swarm
-    a.publish_progress(progress("peer-a"), ttl_s=1.5, wait=True)
-    assert "peer-a" in a.read_progress()
-    wait_until(lambda: "peer-a" not in a.read_progress() and "peer-a" not in b.read_progress(), 10, "expiry")
+    pa, pb = ids(a, b)
+    a.publish_progress(progress(pa), ttl_s=1.5, wait=True)
+    assert pa in a.read_progress()
+    wait_until(lambda: pa not in a.read_progress() and pa not in b.read_progress(), 10, "expiry")
 
 
 def test_first_fingerprint_claim_wins(swarm):
@@ -139,9 +138,10 @@ def test_first_fingerprint_claim_wins(swarm):
 
 def test_publish_on_a_dead_dht_only_warns(swarm, caplog):
     a, _ = swarm
+    (pa,) = ids(a)
     stop_dht(a.dht)
     with caplog.at_level(logging.WARNING, logger="p2p_diloco.records"):
-        a.publish_progress(progress("peer-a"), wait=True)
+        a.publish_progress(progress(pa), wait=True)
         assert a.read_progress() == {}
         assert a.read_progress_soon().poll() in (None, {})
     assert "dht store failed" in caplog.text and "dht get failed" in caplog.text
@@ -202,15 +202,17 @@ def test_format_table_shows_each_peers_goodput_and_the_swarm_goodput_of_live_pee
 
 def test_status_prints_table_of_live_peers(swarm, capsys):
     a, b = swarm
-    a.publish_progress(progress("peer-a"), wait=True)
-    b.publish_progress(progress("peer-b", last_seen=get_dht_time() - 120), wait=True)
+    pa, pb = ids(a, b)
+    a.publish_progress(progress(pa), wait=True)
+    b.publish_progress(progress(pb, last_seen=get_dht_time() - 120), wait=True)
     wait_until(lambda: len(a.read_progress()) == 2, 10, "both records")
     network = NetworkSection(run_id=RUN_ID, initial_peers=visible_multiaddrs(a.dht))
     assert run_status(network, stale_after_s=60) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].split()[:3] == ["peer", "inner", "step"]
-    assert out[1].startswith("peer-a") and "1500.5" in out[1] and "2.7500" in out[1] and "(stale)" not in out[1]
-    assert out[2].startswith("peer-b") and "(stale)" in out[2]
+    rows = {line.split()[0]: line for line in out[1:3]}
+    assert "1500.5" in rows[pa] and "2.7500" in rows[pa] and "(stale)" not in rows[pa]
+    assert "(stale)" in rows[pb]
     assert out[3].startswith("swarm goodput: n/a over 1 live peers")
 
     empty = NetworkSection(run_id="nobody-here", initial_peers=visible_multiaddrs(a.dht))

@@ -9,8 +9,10 @@ import pytest
 from red_team import red_team_cli
 from swarms import close_leaving_nothing, quick_swarm
 
+from p2p_diloco.dht import ensure_identity, identity_peer_id
 from p2p_diloco.events import Eval, LocalReset, OuterRoundFailed
 from p2p_diloco.members import MAX_ROUND_LEAD
+from p2p_diloco.membership import Admission, load_identity_key
 
 pytestmark = pytest.mark.swarm
 
@@ -68,5 +70,45 @@ def test_an_average_far_out_of_scale_is_not_merged(tmp_path: Path) -> None:
             assert all(loss is not None and loss <= losses[0] for loss in losses), (name, losses)
             assert not swarm.events(name, LocalReset), name
             assert "moves φ" in (tmp_path / name / "stdout.log").read_text(), swarm.tail(name)
+    finally:
+        close_leaving_nothing(swarm)
+
+
+def member_flags(root: Path, name: str, run_id: str, run_key: Path) -> tuple[str, ...]:
+    """``--identity-path`` and ``--admission`` of an admitted unit ``name`` (as ``p2p-diloco identity`` and ``admit``
+    make them)."""
+    identity = ensure_identity(root / f"{name}.key")
+    admission = Admission.issue(load_identity_key(run_key), run_id, identity_peer_id(identity))
+    (root / f"{name}.admission").write_text(admission.to_text())
+    return "--identity-path", str(identity), "--admission", str(root / f"{name}.admission")
+
+
+def test_a_non_member_of_a_private_run_gets_no_tensor_in_and_no_state_out(tmp_path: Path) -> None:
+    """An unmodified unit that knows the run id and the bootstrap address, started with the members: it trains alone
+    (its join requests, leads and groups are refused); one that starts later, once the first one left, cannot
+    download the state (exit 2). Without membership such a unit averaged with the members and downloaded the trained
+    state in 0.1 s."""
+    swarm = quick_swarm(tmp_path)
+    run_key = ensure_identity(tmp_path / "run.key")
+    try:
+        maddr = swarm.bootstrap("bootstrap")
+        for name in HONEST:
+            swarm.unit(name, [maddr], *member_flags(tmp_path, name, swarm.run_id, run_key))
+        swarm.unit("red", [maddr])
+
+        def rounds_done() -> bool:
+            merged = [sum(r.group_size == 2 for r in swarm.rounds(n)) >= ROUNDS_WITH_THE_RED_UNIT for n in HONEST]
+            return all(merged) and len(swarm.rounds("red")) >= ROUNDS_WITH_THE_RED_UNIT
+
+        swarm.wait_for(rounds_done, timeout_s=180, what=f"{ROUNDS_WITH_THE_RED_UNIT} rounds of every unit")
+        assert all(r.group_size == 1 for r in swarm.rounds("red")), swarm.tail("red")
+        assert swarm.stop(["red"], grace_s=EXIT_GRACE_S) == [0], swarm.tail("red")  # it would serve its own state
+        late = swarm.unit("late", [maddr], "--join-timeout-s", "15")
+        assert late.wait(timeout=120) == 2, swarm.tail("late")
+        assert "no live peer served its state" in (tmp_path / "late" / "stdout.log").read_text(), swarm.tail("late")
+        assert swarm.stop(list(HONEST), grace_s=EXIT_GRACE_S) == [0, 0], swarm.tails()
+        for name in HONEST:
+            assert all(r.group_size <= 2 for r in swarm.rounds(name)), name
+            assert "not a member of the run" in (tmp_path / name / "stdout.log").read_text(), swarm.tail(name)
     finally:
         close_leaving_nothing(swarm)

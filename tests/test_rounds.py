@@ -11,11 +11,12 @@ import hivemind
 import pytest
 import torch
 from fakes import FakeGroup, FaultPlan
+from swarms import record_peers
 
 from p2p_diloco.averaging import OuterAverager
 from p2p_diloco.config import ConfigError, OuterSection
-from p2p_diloco.dht import stop_dht, visible_multiaddrs
 from p2p_diloco.plan import RoundPlan
+from p2p_diloco.records import SwarmRecords
 from p2p_diloco.rounds import RoundEngine, RoundKind, RoundStatus
 from p2p_diloco.state_sync import StateServer, SwarmState
 from p2p_diloco.streaming import Payload
@@ -284,29 +285,25 @@ def test_rda_carries_directions_and_norms_and_needs_fp32() -> None:
 
 # ------------------------------------------------------------------------------- the schema on a real DHT
 @pytest.fixture
-def two_dhts() -> Iterator[tuple[hivemind.DHT, hivemind.DHT]]:
-    first = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
-    second = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=visible_multiaddrs(first))
-    try:
+def two_dhts() -> Iterator[tuple[SwarmRecords, SwarmRecords]]:
+    """Two DHT servers of an open run with the run's records (donors declare themselves there)."""
+    with record_peers(2) as (first, second):
         yield first, second
-    finally:
-        stop_dht(second)
-        stop_dht(first)
 
 
 @pytest.mark.swarm
 def test_on_a_real_dht_units_share_state_across_round_settings_but_not_across_fragment_counts(
-    two_dhts: tuple[hivemind.DHT, hivemind.DHT],
+    two_dhts: tuple[SwarmRecords, SwarmRecords],
 ) -> None:
     """A donor with fp32 proposals serves its state; a joiner with int8 pseudo-gradients, consensus rounds and another
     outer step downloads it; a joiner that splits the model into another number of fragments finds no donor."""
-    donor_dht, joiner_dht = two_dhts
+    donor, joiner = two_dhts
     template = [torch.zeros(shape) for shape in SHAPES]
     donor_plan, joiner_plan = plan_of(), plan_of(codec="int8", consensus_every_rounds=2, outer_lr=0.3, quorum=2)
     servers = [
-        StateServer(donor_dht, donor_plan.keys("run", "f00d").state(), template),
-        StateServer(joiner_dht, joiner_plan.keys("run", "f00d").state(), template),
-        StateServer(joiner_dht, plan_of(fragments=2).keys("run", "f00d").state(), template, fragments=2),
+        StateServer(donor.dht, donor_plan.keys("run", "f00d").state(), template, donor),
+        StateServer(joiner.dht, joiner_plan.keys("run", "f00d").state(), template, joiner),
+        StateServer(joiner.dht, plan_of(fragments=2).keys("run", "f00d").state(), template, joiner, fragments=2),
     ]
     try:
         state = SwarmState([torch.full(shape, 0.5) for shape in SHAPES], [torch.ones(s) for s in SHAPES], [4], 80, 640)
@@ -324,11 +321,11 @@ def test_on_a_real_dht_units_share_state_across_round_settings_but_not_across_fr
 
 
 @pytest.mark.swarm
-def test_a_download_streams_the_state_of_one_publication(two_dhts: tuple[hivemind.DHT, hivemind.DHT]) -> None:
+def test_a_download_streams_the_state_of_one_publication(two_dhts: tuple[SwarmRecords, SwarmRecords]) -> None:
     """What hivemind streams to a downloader (``get_current_state``, taken when the download begins) stays the state
     published before, whatever is published while it streams."""
     template = [torch.zeros(shape) for shape in SHAPES]
-    server = StateServer(two_dhts[0], plan_of().keys("run", "f00d").state(), template)
+    server = StateServer(two_dhts[0].dht, plan_of().keys("run", "f00d").state(), template, two_dhts[0])
     try:
         first = SwarmState([torch.full(s, 1.0) for s in SHAPES], [torch.zeros(s) for s in SHAPES], [1], 10, 100)
         server.publish(first)
@@ -341,11 +338,11 @@ def test_a_download_streams_the_state_of_one_publication(two_dhts: tuple[hivemin
 
 @pytest.mark.swarm
 def test_on_a_real_dht_units_meet_only_when_their_round_settings_match(
-    two_dhts: tuple[hivemind.DHT, hivemind.DHT],
+    two_dhts: tuple[SwarmRecords, SwarmRecords],
 ) -> None:
     """Two units that differ in their outer lr begin rounds at the same time and complete alone; with the same
     round settings (another matchmaking window) they average together."""
-    first_dht, second_dht = two_dhts
+    first_dht, second_dht = (peer.dht for peer in two_dhts)
     template = [torch.zeros(8)]
 
     def averager(dht: hivemind.DHT, run_id: str, plan: RoundPlan) -> OuterAverager:

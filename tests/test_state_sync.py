@@ -1,0 +1,97 @@
+"""A joiner's download between real DHT nodes and averagers on 127.0.0.1: signed donor records, the declared
+checksum, rounds far ahead not believed, and a state taken only once two donors' downloads agree."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+from swarms import record_peers
+
+from p2p_diloco.records import DonorRecord, SwarmRecords
+from p2p_diloco.state_sync import StateServer, SwarmState, state_digest
+
+pytestmark = pytest.mark.swarm
+
+SHAPES = [(4, 3), (5,)]
+KEY = "state-test_state"
+
+
+def state(value: float, outer_round: int) -> SwarmState:
+    return SwarmState([torch.full(shape, value) for shape in SHAPES], [torch.zeros(s) for s in SHAPES],
+                      [outer_round], inner_step=10 * outer_round, tokens=640 * outer_round)  # fmt: skip
+
+
+@pytest.fixture
+def servers() -> Iterator[list[StateServer]]:
+    """Four units' state servers, each on its own DHT node (the last one is the joiner)."""
+    with record_peers(4) as peers:
+        made = [StateServer(peer.dht, KEY, [torch.zeros(s) for s in SHAPES], peer) for peer in peers]
+        try:
+            yield made
+        finally:
+            for server in made:
+                server.shutdown()
+
+
+def download_until(joiner: StateServer, found: int, timeout_s: float = 30.0) -> SwarmState | None:
+    """The joiner's download once it reads ``found`` donor records (their stores are not awaited)."""
+    deadline = time.monotonic() + timeout_s
+    while len(joiner._believed_donors()) < found and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return joiner.download(timeout_s=10.0)
+
+
+def phi_value(downloaded: SwarmState | None) -> float:
+    assert downloaded is not None
+    return float(downloaded.global_params[0][0, 0])
+
+
+def test_a_joiner_takes_the_state_two_donors_agree_on_over_a_fresher_poisoned_one(servers, caplog) -> None:
+    honest, other, poisoned, joiner = servers
+    honest.publish(state(0.5, 7))
+    other.publish(state(0.5 + 1e-4, 7))
+    poisoned.publish(state(1000.0, 8))  # fresher, so tried first
+    caplog.set_level("INFO", logger="p2p_diloco.state_sync")
+    downloaded = download_until(joiner, found=3)
+    assert downloaded is not None and downloaded.fragment_rounds == [7] and downloaded.inner_step == 70
+    assert abs(phi_value(downloaded) - 0.5) < 1e-3
+    assert "disagree" in caplog.text and "corroborated" in caplog.text
+
+
+def test_a_round_far_ahead_of_the_other_donors_is_not_believed(servers, caplog) -> None:
+    honest, other, poisoned, joiner = servers
+    honest.publish(state(0.5, 7))
+    other.publish(state(0.5, 7))
+    poisoned.publish(state(0.5, 1_000_000))
+    downloaded = download_until(joiner, found=2)
+    assert downloaded is not None and downloaded.fragment_rounds == [7]
+    assert "claims outer round 1000000" in caplog.text
+
+
+def test_downloads_that_disagree_one_to_one_give_no_state(servers, caplog) -> None:
+    honest, poisoned, _, joiner = servers
+    honest.publish(state(0.5, 7))
+    poisoned.publish(state(-3.0, 7))
+    assert download_until(joiner, found=2) is None
+    assert "disagree" in caplog.text
+
+
+def test_a_lone_donor_is_taken_and_a_state_unlike_its_declaration_is_not(
+    servers: list[StateServer], caplog: pytest.LogCaptureFixture
+) -> None:
+    donor, _, _, joiner = servers
+    donor.publish(state(0.5, 3))
+    assert phi_value(download_until(joiner, found=1)) == 0.5
+    assert "uncorroborated" in caplog.text
+    records: SwarmRecords = donor._donors  # type: ignore[assignment]
+    declared = records.read_donors(KEY)[donor._peer_id]
+    assert declared.digest == state_digest(donor._averager.get_current_state()[1])
+    records.publish_donor(DonorRecord(**{**declared.dict(), "digest": "0" * 64}))  # it declares another state
+    deadline = time.monotonic() + 30
+    while records.read_donors(KEY)[donor._peer_id].digest != "0" * 64 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert joiner.download(timeout_s=10.0) is None
+    assert "differs from the one the donor declared" in caplog.text
