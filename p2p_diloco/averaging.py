@@ -15,6 +15,10 @@ when the window ends (at once if ``target_group_size`` members joined). Quorum K
 * K ≥ 2: a round with fewer than K members fails; the caller keeps its global parameters unchanged and
   the progress stays in the next pseudo-gradient (nothing is lost).
 
+Each member reduces a slice of the group's tensors for everyone with a bounded mean (robust.py): one member's
+part, weight or non-finite values cannot move an average of three or more members far, and are logged with its peer
+id; members that keep offending, and non-members of a private run (membership.py), are refused.
+
 A member that dies mid-all-reduce does not fail the round for the survivors: its shard of the result keeps
 the survivor's own values (a partial average). Averaging outer-step proposals makes that harmless: the
 next rounds average those shards again (see diloco.py).
@@ -41,17 +45,20 @@ from hivemind.compression import CompressionBase, NoCompression
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
+from hivemind.utils.asyncio import as_aiter, azip
 
 from p2p_diloco.diloco import probe_drift
 from p2p_diloco.members import MemberInfo, read_member
 from p2p_diloco.membership import MemberGate
+from p2p_diloco.reducer import BoundedAllReduceRunner, SenderVerdict
 
 logger = logging.getLogger(__name__)
 
 TENSOR_LOCK_WAIT_S = 0.05  # longest an inner step waits for the averaged tensors
 LOCK_WARNING_EVERY_S = 30.0
-STUCK_MARGIN_S = 5.0
-REFUSAL_LOG_EVERY_S = 60.0  # the tensors' lock busy this long past the all-reduce timeout: the averager is restarted
+STUCK_MARGIN_S = 5.0  # the tensors' lock busy this long past the all-reduce timeout: the averager is restarted
+REFUSAL_LOG_EVERY_S = 60.0
+MAX_OFFENCES = 3  # rounds in which a member's parts were dropped or far out of bounds before it is refused
 
 
 @dataclass(frozen=True)
@@ -120,7 +127,11 @@ class GatedAverager(hivemind.DecentralizedAverager):
     its parts or state requests are answered with nothing, a non-member declared as a leader is not asked to lead
     (hivemind's matchmaking has no filter of leaders: its per-leader request is wrapped in the averager process), and a
     group that contains a non-member anyway is left before any tensor is sent (the round retries matchmaking until its
-    deadline, as for any failed group). In an open run the gate admits everyone and this is hivemind's averager.
+    deadline, as for any failed group). In an open run the gate admits everyone.
+
+    Its all-reduce reduces each slice with the bounded mean (robust.py, through reducer.py) instead of hivemind's plain
+    weighted mean, and refuses, like a non-member, a member whose parts it dropped or found far out of bounds in
+    MAX_OFFENCES rounds (each averager process keeps its own count).
     """
 
     _rpc_handlers = None  # hivemind caches RPC handlers per class: a subclass must collect its own
@@ -129,6 +140,7 @@ class GatedAverager(hivemind.DecentralizedAverager):
     def __init__(self, *args: Any, gate: MemberGate, **kwargs: Any) -> None:
         self.gate = gate
         self._refusals_logged: dict[tuple[str, str], float] = {}
+        self._offences: dict[str, int] = {}
         super().__init__(*args, **kwargs)
 
     async def _refuses(self, peer_id: PeerID, what: str) -> bool:
@@ -138,7 +150,8 @@ class GatedAverager(hivemind.DecentralizedAverager):
         now, key = time.monotonic(), (str(peer_id), what)
         if now - self._refusals_logged.get(key, -math.inf) >= REFUSAL_LOG_EVERY_S:
             self._refusals_logged[key] = now
-            logger.warning("refused %s from %s: not a member of the run", what, peer_id)
+            why = "refused after its offences" if self.gate.refused(str(peer_id)) else "not a member of the run"
+            logger.warning("refused %s from %s: %s", what, peer_id, why)
         return True
 
     async def _step(self, *, step: StepControl, future_for_init: Any) -> None:
@@ -182,6 +195,37 @@ class GatedAverager(hivemind.DecentralizedAverager):
             return
         async for message in super().rpc_download_state(request, context):
             yield message
+
+    async def _run_allreduce_inplace_(
+        self, tensors: Sequence[torch.Tensor], group_info: GroupInfo, group_id: bytes | None = None, **kwargs: Any
+    ) -> None:
+        """hivemind's, with the bounded reducer (reducer.py) as the all-reduce runner (units never run as aux peers)."""
+        group_id = group_info.group_id if group_id is None else group_id
+        runner = BoundedAllReduceRunner(p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors,
+                                        group_id=group_id, ordered_peer_ids=group_info.peer_ids,
+                                        on_verdicts=self._judge, **kwargs)  # fmt: skip
+        self._running_groups[group_id].set_result(runner)
+        async for tensor, update in azip(as_aiter(*tensors), runner):
+            tensor.add_(update, alpha=self._averaging_alpha)
+            self.last_updated = get_dht_time()
+            self._state_updated.set()
+
+    def _judge(self, verdicts: dict[PeerID, SenderVerdict]) -> None:
+        """Log the members whose parts this unit clipped, capped or dropped; refuse a member for the rest of the run
+        once it offended (reducer.py) in MAX_OFFENCES rounds."""
+        for peer_id, verdict in verdicts.items():
+            summary = (f"{verdict.dropped} of {verdict.parts} parts dropped, {verdict.clipped} clipped (worst "
+                       f"{verdict.worst_excess:.1f}x the radius, {verdict.worst_relative:.2g}x the median's norm), "
+                       f"{verdict.capped} weights capped")  # fmt: skip
+            if not verdict.offended:
+                if verdict.clipped or verdict.capped:
+                    logger.info("member %s: %s", peer_id, summary)
+                continue
+            offences = self._offences[str(peer_id)] = self._offences.get(str(peer_id), 0) + 1
+            logger.warning("member %s offended: %s (offence %d of %d)", peer_id, summary, offences, MAX_OFFENCES)
+            if offences == MAX_OFFENCES:
+                self.gate.refuse(str(peer_id))
+                logger.warning("member %s refused for the rest of the run after %d offences", peer_id, offences)
 
     async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any) -> Any:
         for peer_id in group_info.peer_ids:

@@ -254,7 +254,15 @@ class MemberGate:
     def __init__(self, access: RunAccess, members_key: str) -> None:
         self.access, self.members_key = access, members_key
         self._members: set[str] = set()
+        self._refused: set[str] = set()
         self._last_read = -float("inf")
+
+    def refuse(self, peer_id: str) -> None:
+        """Refuse ``peer_id`` from now on, member or not (a member that kept sending parts out of bounds)."""
+        self._refused.add(peer_id)
+
+    def refused(self, peer_id: str) -> bool:
+        return peer_id in self._refused
 
     @classmethod
     def everyone(cls) -> MemberGate:
@@ -264,9 +272,11 @@ class MemberGate:
     async def admits(self, peer_id: Any, dht: Any) -> bool:
         """Whether ``peer_id`` (a hivemind PeerID) may take part; reads the DHT through ``dht`` when needed.
         A failed read counts as "not found" (the caller retries its request later)."""
+        name = peer_id.to_base58()
+        if name in self._refused:
+            return False
         if not self.access.private:
             return True
-        name = peer_id.to_base58()
         if name not in self._members and time.monotonic() - self._last_read >= MISS_REREAD_S:
             self._last_read = time.monotonic()
             await self._read(dht)

@@ -4,13 +4,17 @@ averager that keeps it is replaced."""
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import hivemind
 import pytest
 import torch
+from swarms import record_peers
 
-from p2p_diloco.averaging import STUCK_MARGIN_S, TENSOR_LOCK_WAIT_S, OuterAverager
+from p2p_diloco.averaging import MAX_OFFENCES, STUCK_MARGIN_S, TENSOR_LOCK_WAIT_S, GatedAverager, OuterAverager
 from p2p_diloco.dht import stop_dht
+from p2p_diloco.membership import MemberGate
+from p2p_diloco.reducer import SenderVerdict
 
 
 @pytest.mark.swarm
@@ -57,3 +61,46 @@ def test_an_averager_stuck_with_its_tensors_locked_is_restarted() -> None:
     finally:
         averager.shutdown()
         stop_dht(dht)
+
+
+@pytest.mark.swarm
+def test_a_member_far_out_of_bounds_is_left_out() -> None:
+    """Three averagers on real DHT nodes, one sending 1000 × its proposal: whatever group a round forms (the reducers
+    may also refuse the sender after its offences), an honest member ends with the honest members' mean (the far
+    part dropped by the reducers) or, alone, its own proposal."""
+    size = 30_000
+    generator = torch.Generator().manual_seed(0)
+    with record_peers(3) as peers:
+        averagers = [OuterAverager(peer.dht, "bounded", [torch.zeros(size)], quorum=1, target_group_size=3,
+                                   allreduce_timeout_s=10) for peer in peers]  # fmt: skip
+        try:
+            for number in range(MAX_OFFENCES + 1):
+                proposals = [1 + 0.01 * torch.randn(size, generator=generator) for _ in averagers]
+                proposals[-1] = proposals[-1] * 1000
+                for averager, proposal in zip(averagers, proposals):
+                    assert averager.begin_round([proposal], weight=1.0, outer_round=number, window_s=3.0)
+                outcomes = [averager.finish_round(timeout_s=30.0) for averager in averagers]
+                honest_mean = (proposals[0] + proposals[1]) / 2
+                for outcome, own in zip(outcomes[:2], proposals):
+                    assert outcome is not None and outcome.averaged is not None
+                    expected = own if outcome.group_size == 1 else honest_mean
+                    gap = float((outcome.averaged[0] - expected).norm() / expected.norm())
+                    assert gap < 0.01, (number, outcome.group_size, gap)
+        finally:
+            for averager in averagers:
+                averager.shutdown()
+
+
+def test_a_member_is_refused_after_max_offences_and_only_then() -> None:
+    """The policy of ``GatedAverager._judge``: clipped or capped parts are logged only; a member whose parts were
+    dropped as invalid or far off (an offence) is refused from its MAX_OFFENCES-th offending round on."""
+    judge = SimpleNamespace(gate=MemberGate.everyone(), _offences={})
+    mild = SenderVerdict(parts=3, clipped=2, capped=1)
+    offending = SenderVerdict(parts=3, dropped=1, offended=True)
+    for _ in range(MAX_OFFENCES + 2):
+        GatedAverager._judge(judge, {"QmMild": mild})  # type: ignore[arg-type]
+    assert not judge.gate.refused("QmMild")
+    for _ in range(MAX_OFFENCES):
+        assert not judge.gate.refused("QmRed")
+        GatedAverager._judge(judge, {"QmRed": offending})  # type: ignore[arg-type]
+    assert judge.gate.refused("QmRed") and not judge.gate.refused("QmMild")

@@ -6,19 +6,17 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from red_team import red_team_cli
 from swarms import close_leaving_nothing, quick_swarm
 
-from p2p_diloco.dht import ensure_identity, identity_peer_id
-from p2p_diloco.events import Eval, LocalReset, OuterRoundFailed
+from bench.red_team import admitted_flags, red_team_cli
+from p2p_diloco.dht import ensure_identity
+from p2p_diloco.events import Eval, LocalReset
 from p2p_diloco.members import MAX_ROUND_LEAD
-from p2p_diloco.membership import Admission, load_identity_key
 
 pytestmark = pytest.mark.swarm
 
 HONEST = ("a", "b")
 ROUNDS_WITH_THE_RED_UNIT = 3
-REJECTED_ROUNDS = 2
 EXIT_GRACE_S = 90.0  # a unit's exit may take its final rounds and settle rounds (up to 33 s each for quick units)
 
 
@@ -47,40 +45,53 @@ def test_round_metadata_out_of_range_is_not_believed(tmp_path: Path, variant: st
         close_leaving_nothing(swarm)
 
 
-def test_an_average_far_out_of_scale_is_not_merged(tmp_path: Path) -> None:
-    """Without the bound, a member sending 1000 × its proposal took the honest units' φ to a loss of 10^6 (they reset
-    θ over and over and exported it). (A member adding N(0, 1) noise moved φ of the tiny model less than 10 × as far as
-    an honest step in some rounds: they pass the bound; that needs a bound per member.)"""
-    variant = "payload-x1000"
+@pytest.mark.parametrize(
+    "variant, defence",
+    [
+        ("payload-x1000", "offended"),
+        ("payload-noise", "offended"),
+        ("pseudo-gradient-flip-x3", "clipped"),
+        ("weight-x1000", "weights capped"),
+    ],
+)
+def test_one_member_cannot_move_the_honest_units_far(tmp_path: Path, variant: str, defence: str) -> None:
+    """Without bounds, a member sending 1000 × its proposal took the honest units' φ to a loss of 10^6 (they reset
+    θ over and over and exported it), one adding N(0, 1) noise to 16.7, a sign-flipped ×3 step to +9%, and a member
+    claiming 1000 × its tokens owned every average. Each honest unit reduces its slice with the bounded mean
+    (robust.py): it logs the red member's part as clipped, capped or dropped, and its loss keeps going down."""
     swarm = quick_swarm(tmp_path)
     try:
         maddr = swarm.bootstrap("bootstrap")
         for name in HONEST:
             swarm.unit(name, [maddr], "--eval-every-rounds", "1")
         swarm.unit("red", [maddr], cli=red_team_cli(variant))
+        red_id = swarm.wait_for(lambda: peer_id_in_log(tmp_path / "red"), timeout_s=60, what="the red unit's peer id")
 
-        def rejected(name: str) -> int:
-            return sum(event.status == "rejected" for event in swarm.events(name, OuterRoundFailed))
+        def judged(name: str) -> bool:
+            log = (tmp_path / name / "stdout.log").read_text()
+            return any(defence in line and f"member {red_id}" in line for line in log.splitlines())
 
-        swarm.wait_for(lambda: all(rejected(n) >= REJECTED_ROUNDS for n in HONEST), timeout_s=180,
-                       what=f"{REJECTED_ROUNDS} rejected rounds")  # fmt: skip
+        def held() -> bool:
+            met = all(sum(r.group_size == 3 for r in swarm.rounds(n)) >= ROUNDS_WITH_THE_RED_UNIT for n in HONEST)
+            return met and all(judged(name) for name in HONEST)
+
+        swarm.wait_for(held, timeout_s=180, what=f"{ROUNDS_WITH_THE_RED_UNIT} rounds with the red unit, judged")
         assert swarm.stop(list(HONEST), grace_s=EXIT_GRACE_S) == [0, 0], swarm.tails()
         for name in HONEST:
             losses = [event.eval_loss for event in swarm.events(name, Eval)]
-            assert all(loss is not None and loss <= losses[0] for loss in losses), (name, losses)
+            assert all(loss is not None for loss in losses) and losses[-1] < losses[0], (name, losses)
             assert not swarm.events(name, LocalReset), name
-            assert "moves φ" in (tmp_path / name / "stdout.log").read_text(), swarm.tail(name)
     finally:
         close_leaving_nothing(swarm)
 
 
-def member_flags(root: Path, name: str, run_id: str, run_key: Path) -> tuple[str, ...]:
-    """``--identity-path`` and ``--admission`` of an admitted unit ``name`` (as ``p2p-diloco identity`` and ``admit``
-    make them)."""
-    identity = ensure_identity(root / f"{name}.key")
-    admission = Admission.issue(load_identity_key(run_key), run_id, identity_peer_id(identity))
-    (root / f"{name}.admission").write_text(admission.to_text())
-    return "--identity-path", str(identity), "--admission", str(root / f"{name}.admission")
+def peer_id_in_log(work_dir: Path) -> str | None:
+    """The peer id a unit logged when its DHT started, once it did."""
+    log = work_dir / "stdout.log"
+    for line in log.read_text().splitlines() if log.exists() else []:
+        if "dht started peer_id=" in line:
+            return line.split("peer_id=")[1].split()[0]
+    return None
 
 
 def test_a_non_member_of_a_private_run_gets_no_tensor_in_and_no_state_out(tmp_path: Path) -> None:
@@ -93,7 +104,7 @@ def test_a_non_member_of_a_private_run_gets_no_tensor_in_and_no_state_out(tmp_pa
     try:
         maddr = swarm.bootstrap("bootstrap")
         for name in HONEST:
-            swarm.unit(name, [maddr], *member_flags(tmp_path, name, swarm.run_id, run_key))
+            swarm.unit(name, [maddr], *admitted_flags(tmp_path, name, swarm.run_id, run_key))
         swarm.unit("red", [maddr])
 
         def rounds_done() -> bool:

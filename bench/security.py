@@ -1,0 +1,142 @@
+"""The security benchmark: one modified unit (bench/red_team.py) among honest ones, against the honest units alone.
+
+Every run starts a bootstrap node and ``honest`` units of the tiny preset with fixed identities (the same peer ids,
+so the same data shards and seeds, in every run) that each train ``max_steps`` inner steps and leave; in every run
+but ``honest-only`` one more unit joins with them: a red-team variant, or an unmodified unit that is not a member of
+the (then private) run. A run's figures: the honest units' final eval losses (their exported consensus model), the
+largest relative distance between their final φ, and how often their logs name a defence.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench.red_team import admitted_flags, red_team_cli
+from bench.scale import _final_phi, pairwise
+from bench.swarm import Swarm
+from p2p_diloco.dht import ensure_identity
+from p2p_diloco.events import Eval, OuterRound, OuterRoundFailed, read_events
+
+RUN_ID = "security"
+UNIT_FLAGS = ("--seq-len", "64", "--batch-size", "4", "--inner-steps", "10", "--join-timeout-s", "60",
+              "--eval-every-rounds", "5")  # fmt: skip
+NON_MEMBER = "non-member"
+HONEST_ONLY = "honest-only"
+VARIANTS = (HONEST_ONLY, "payload-nan", "payload-x1000", "payload-noise", "pseudo-gradient-flip-x3", "weight-x1000",
+            "gather-garbage", "gather-far-ahead", NON_MEMBER)  # fmt: skip
+DEFENCES = {  # what a defence's log line says
+    "not believed": "not believed",
+    "offended": "offended:",
+    "refused": "refused ",
+    "clipped or capped": "parts dropped",
+    "rejected": "moves φ",
+}
+EXIT_GRACE_S = 120.0
+
+
+@dataclass(frozen=True)
+class SecuritySpec:
+    variant: str
+    honest: int = 3
+    max_steps: int = 200
+
+
+def run_variant(spec: SecuritySpec, root: Path, identities: Path) -> dict[str, Any]:
+    """Run one variant under ``root`` (identities and the run key are kept in ``identities``) and measure it."""
+    private = spec.variant == NON_MEMBER
+    swarm = Swarm(root, run_id=RUN_ID, unit_flags=(*UNIT_FLAGS, "--max-steps", str(spec.max_steps)))
+    honest = [f"unit{index}" for index in range(spec.honest)]
+    started = time.time()
+    try:
+        maddr = swarm.bootstrap("bootstrap")
+        run_key = ensure_identity(identities / "run.key")
+        for name in honest:
+            if private:
+                flags = admitted_flags(identities, name, RUN_ID, run_key)
+            else:
+                flags = ("--identity-path", str(ensure_identity(identities / f"{name}.key")))
+            swarm.unit(name, [maddr], *flags)
+        if private:
+            swarm.unit("red", [maddr])  # the package's own CLI, without an admission
+        elif spec.variant != HONEST_ONLY:
+            swarm.unit("red", [maddr], cli=red_team_cli(spec.variant))
+        swarm.wait_for(lambda: all(not swarm.running(name) for name in honest), timeout_s=1800,
+                       what="the honest units to finish their steps")  # fmt: skip
+        exits = {name: swarm.processes[name].returncode for name in honest}
+    finally:
+        swarm.close(grace_s=EXIT_GRACE_S)
+    return measure(spec, root, honest, exits, time.time() - started)
+
+
+def measure(spec: SecuritySpec, root: Path, honest: list[str], exits: dict[str, int], seconds: float) -> dict:
+    finals = {}
+    for name in honest:
+        evals = [event for event in read_events(root / name / "metrics.jsonl", Eval) if event.reason == "final"]
+        finals[name] = evals[-1].eval_loss if evals and evals[-1].eval_loss is not None else None
+    vectors = [vector for vector in (_final_phi(root / name) for name in honest) if vector is not None]
+    logs = "\n".join((root / name / "stdout.log").read_text() for name in honest)
+    rounds = [event for name in honest for event in read_events(root / name / "metrics.jsonl", OuterRound)]
+    merged = [event for event in rounds if event.group_size > 1]
+    failed = [event for name in honest for event in read_events(root / name / "metrics.jsonl", OuterRoundFailed)]
+    losses = [loss for loss in finals.values() if loss is not None]
+    return {
+        "variant": spec.variant,
+        "honest_units": spec.honest,
+        "max_steps": spec.max_steps,
+        "seconds": seconds,
+        "exit_codes": exits,
+        "final_eval": finals,
+        "final_eval_mean": statistics.fmean(losses) if losses else None,
+        "final_eval_spread": max(losses) - min(losses) if losses else None,
+        "final_max_distance": max(pairwise(vectors), default=0.0) if len(vectors) > 1 else None,
+        "rounds": len(rounds),
+        "mean_group": statistics.fmean(event.group_size for event in merged) if merged else None,
+        "rounds_failed": len(failed),
+        "defences": {name: logs.count(text) for name, text in DEFENCES.items()},
+    }
+
+
+def markdown(results: list[dict[str, Any]], command: str, environment: str) -> str:
+    """The table: every variant's honest final eval against the honest-only run's."""
+    baseline = next((r["final_eval_mean"] for r in results if r["variant"] == HONEST_ONLY), None)
+    lines = ["# One modified unit among honest ones (tiny model, 127.0.0.1)", "",
+             "Reproduce:", "", f"    {command}", "", environment, "",
+             "| variant | honest units' final eval (mean) | vs honest-only | spread | max φ distance | mean group | "
+             "failed rounds | defences logged (count) | honest exits |",
+             "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in results:
+        mean = r["final_eval_mean"]
+        gap = f"{(mean / baseline - 1) * 100:+.2f}%" if mean is not None and baseline else "n/a"
+        defences = ", ".join(f"{name} {count}" for name, count in r["defences"].items() if count) or "none"
+        lines.append(f"| {r['variant']} | {_fmt(mean)} | {gap} | {_fmt(r['final_eval_spread'])} | "
+                     f"{_fmt(r['final_max_distance'], '.1e')} | {_fmt(r['mean_group'], '.2f')} | "
+                     f"{r['rounds_failed']} | {defences} | {sorted(r['exit_codes'].values())} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def _fmt(value: float | None, spec: str = ".4f") -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def plot(results: list[dict[str, Any]], path: Path) -> None:
+    """One bar per variant: the honest units' final eval relative to the honest-only run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    baseline = next((r["final_eval_mean"] for r in results if r["variant"] == HONEST_ONLY), None)
+    shown = [r for r in results if r["final_eval_mean"] is not None and baseline]
+    figure, axes = plt.subplots(figsize=(9, 4))
+    axes.bar([r["variant"] for r in shown], [(r["final_eval_mean"] / baseline - 1) * 100 for r in shown])
+    axes.axhline(2.0, color="red", linestyle="--", linewidth=1, label="target: within 2%")
+    axes.set_ylabel("honest final eval vs honest-only (%)")
+    axes.tick_params(axis="x", rotation=30)
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)

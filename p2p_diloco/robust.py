@@ -1,0 +1,96 @@
+"""A weighted mean that no single member can move far: the reducer's rule of a round (torch only).
+
+Each member of a group sends a part of its tensors with a weight it states itself. :func:`bounded_mean` combines
+the parts of one slice so that one member's part has bounded influence, whatever it sends:
+
+1. a part with non-finite values, or a weight that is not a positive finite number, is dropped (that member only);
+2. weights are capped at ``weight_cap`` × the lower median weight of the kept parts (a claimed weight is
+   unverifiable; honest units with the same hardware and batch state similar token counts);
+3. centred clipping: around the coordinate-wise median ``c`` of the kept parts (the mean of one or two), a part whose
+   deviation ``x − c`` is over ``drop`` × the radius (``clip`` × the lower median of the deviation norms) is dropped,
+   and every other deviation is scaled down to at most the radius;
+4. the result is ``c`` plus the capped-weight mean of the clipped deviations of the parts not dropped.
+
+With honest parts this is the weighted mean (up to the rare clipped or capped part). With two members nothing tells
+which one is wrong: their deviations from the median are equal, so the rule is the plain mean; with three or more a
+single member moves the result by at most about its capped weight share × ``clip`` × the typical deviation, and one
+that sends something far off (scaled up, noise) is left out.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+CLIP_FACTOR = 2.0
+DROP_FACTOR = 2.0
+WEIGHT_CAP = 2.0
+
+
+@dataclass(frozen=True)
+class BoundedMean:
+    """The combined part, and what happened to each member's part (indices into the inputs)."""
+
+    value: torch.Tensor
+    invalid: tuple[int, ...] = ()  # non-finite parts or weights that are not positive finite numbers
+    far: tuple[int, ...] = ()  # parts dropped for a deviation over ``drop`` × the radius
+    clipped: tuple[int, ...] = ()
+    capped: tuple[int, ...] = ()
+    excess: tuple[float, ...] = ()  # per input: its deviation norm over the clipping radius (0 for dropped parts)
+    relative: tuple[float, ...] = ()  # per input: its deviation norm over the median's norm (0 for dropped parts)
+
+
+def bounded_mean(
+    parts: Sequence[torch.Tensor],
+    weights: Sequence[float],
+    clip: float = CLIP_FACTOR,
+    drop: float = DROP_FACTOR,
+    weight_cap: float = WEIGHT_CAP,
+) -> BoundedMean:
+    """The bounded weighted mean of ``parts`` (same shapes) by ``weights`` (see the module docstring). When every part
+    is dropped, the value is all NaN (the caller's non-finite check rejects the round)."""
+    if len(parts) != len(weights) or not parts:
+        raise ValueError("need as many weights as parts, and at least one part")
+    kept = [i for i, (part, weight) in enumerate(zip(parts, weights)) if _usable(part, weight)]
+    invalid = tuple(i for i in range(len(parts)) if i not in kept)
+    if not kept:
+        nothing = torch.full_like(parts[0], math.nan, dtype=torch.float32)
+        return BoundedMean(nothing, invalid, excess=(0.0,) * len(parts), relative=(0.0,) * len(parts))
+    stacked = torch.stack([parts[i].float() for i in kept])
+    center = stacked.quantile(0.5, dim=0) if len(kept) > 2 else stacked.mean(dim=0)
+    deviations = stacked - center
+    norms = deviations.flatten(1).norm(dim=1).double()
+    radius = clip * float(norms.median())
+    scale = torch.where(norms > radius, radius / norms.clamp_min(1e-30), torch.ones_like(norms))
+    far_rows = norms > drop * radius
+    scale = torch.where(far_rows, torch.zeros_like(scale), scale).float()
+    kept_weights = torch.tensor([float(weights[i]) for i in kept], dtype=torch.float64)
+    cap = weight_cap * float(kept_weights.median())
+    capped_weights = kept_weights.clamp(max=cap).masked_fill(far_rows, 0.0)
+    mixing = (capped_weights / capped_weights.sum()).float()
+    shift = (deviations * (scale * mixing).view(-1, *([1] * (deviations.dim() - 1)))).sum(dim=0)
+    excess, relative = [0.0] * len(parts), [0.0] * len(parts)
+    center_norm = float(center.double().norm())
+    for row, index in enumerate(kept):
+        excess[index] = _ratio(float(norms[row]), radius)
+        relative[index] = _ratio(float(norms[row]), center_norm)
+    return BoundedMean(
+        center + shift,
+        invalid,
+        far=tuple(kept[row] for row in range(len(kept)) if far_rows[row]),
+        clipped=tuple(kept[row] for row in range(len(kept)) if 0 < scale[row] < 1),
+        capped=tuple(kept[row] for row in range(len(kept)) if kept_weights[row] > cap),
+        excess=tuple(excess),
+        relative=tuple(relative),
+    )
+
+
+def _ratio(value: float, scale: float) -> float:
+    return value / scale if scale > 0 else (math.inf if value > 0 else 0.0)
+
+
+def _usable(part: torch.Tensor, weight: float) -> bool:
+    return isinstance(weight, (int, float)) and math.isfinite(weight) and weight > 0 and bool(part.isfinite().all())
