@@ -6,14 +6,17 @@ the directory. Readers therefore see either the previous file or the new one, ne
 process writes a given path at a time (a peer owns its work directory); temporary files left by a killed
 writer are removed by the next write of the same path.
 
-On disk: ``{"format": CHECKPOINT_FORMAT, "payload": payload}`` written with ``torch.save`` and read
-with ``weights_only=True``, so a payload holds only (nested) dicts, lists, tuples, tensors, numbers,
-strings, booleans and ``None`` (optimizer ``state_dict()``s qualify).
+On disk: ``{"format": CHECKPOINT_FORMAT, "payload": payload, "sha256": payload_digest(payload)}`` written with
+``torch.save`` and read with ``weights_only=True``, so a payload holds only (nested) dicts, lists, tuples, tensors,
+numbers, strings, booleans and ``None`` (optimizer ``state_dict()``s qualify). The SHA-256 is checked on load: bytes
+changed inside a tensor, which ``torch.load`` does not notice, make the checkpoint unusable rather than wrong (a
+checkpoint written before checksums existed loads unchecked).
 """
 
 from __future__ import annotations
 
 import glob
+import hashlib
 import os
 import tempfile
 from collections.abc import Callable
@@ -36,7 +39,32 @@ def save_checkpoint(path: Path, payload: dict[str, Any]) -> None:
 
     If this raises or the process dies, ``path`` still holds the previous checkpoint (or is absent).
     """
-    atomic_write(path, lambda file: torch.save({"format": CHECKPOINT_FORMAT, "payload": payload}, file))
+    stored = {"format": CHECKPOINT_FORMAT, "payload": payload, "sha256": payload_digest(payload)}
+    atomic_write(path, lambda file: torch.save(stored, file))
+
+
+def payload_digest(payload: Any) -> str:
+    """SHA-256 over a payload's tensors' bytes and other values, walked in a fixed order (dict keys sorted)."""
+    digest = hashlib.sha256()
+
+    def walk(value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            tensor = value.detach().cpu().contiguous()
+            digest.update(f"tensor {tensor.dtype} {tuple(tensor.shape)}:".encode())
+            digest.update(tensor.reshape(-1).view(torch.uint8).numpy().data)
+        elif isinstance(value, dict):
+            for key in sorted(value, key=repr):
+                digest.update(f"key {key!r}:".encode())
+                walk(value[key])
+        elif isinstance(value, (list, tuple)):
+            digest.update(f"{type(value).__name__} {len(value)}:".encode())
+            for item in value:
+                walk(item)
+        else:
+            digest.update(f"value {value!r};".encode())
+
+    walk(payload)
+    return digest.hexdigest()
 
 
 def atomic_write(path: Path, write: Callable[[IO[bytes]], None]) -> None:
@@ -78,6 +106,8 @@ def load_checkpoint(path: Path) -> dict[str, Any] | None:
         raise CheckpointError(
             f"checkpoint {path} has format {stored.get('format')!r}, this version reads format {CHECKPOINT_FORMAT}"
         )
+    if "sha256" in stored and stored["sha256"] != payload_digest(stored["payload"]):
+        raise CheckpointError(f"checkpoint {path} is corrupt: its content does not match its SHA-256")
     return stored["payload"]
 
 

@@ -123,6 +123,20 @@ def test_wrong_format_or_layout_is_an_error(tmp_path: Path, stored: Any) -> None
         load_checkpoint(path)
 
 
+def test_a_tensor_changed_after_saving_makes_the_checkpoint_corrupt(tmp_path: Path) -> None:
+    """``torch.load`` reads a file whose tensor bytes changed without complaint; the stored SHA-256 does not match."""
+    path = tmp_path / "checkpoint.pt"
+    save_checkpoint(path, _payload())
+    stored = torch.load(path, weights_only=True)
+    stored["payload"]["global_params"][0][0, 0] += 1.0
+    torch.save(stored, path)
+    with pytest.raises(CheckpointError, match="does not match its SHA-256"):
+        load_checkpoint(path)
+    del stored["sha256"]  # as written before checksums: loads unchecked
+    torch.save(stored, path)
+    assert load_checkpoint(path)["outer_round"] == 7
+
+
 def test_failed_save_keeps_previous_checkpoint_and_no_temp_file(tmp_path: Path) -> None:
     path = tmp_path / "checkpoint.pt"
     save_checkpoint(path, {"step": 1})
