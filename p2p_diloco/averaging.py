@@ -34,31 +34,24 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import InvalidStateError
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Protocol  # noqa: UP035 (hivemind reads RPC stream types from typing's alias)
+from typing import Protocol
 
 import hivemind
 import torch
 from hivemind.averaging.control import StepControl
-from hivemind.averaging.group_info import GroupInfo
-from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.compression import CompressionBase, NoCompression
-from hivemind.p2p import P2PContext, PeerID
-from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
-from hivemind.utils.asyncio import as_aiter, azip
 
 from p2p_diloco.diloco import probe_drift
+from p2p_diloco.gated import GatedAverager
 from p2p_diloco.members import MemberInfo, read_member
 from p2p_diloco.membership import MemberGate
-from p2p_diloco.reducer import BoundedAllReduceRunner, SenderVerdict
 
 logger = logging.getLogger(__name__)
 
 TENSOR_LOCK_WAIT_S = 0.05  # longest an inner step waits for the averaged tensors
 LOCK_WARNING_EVERY_S = 30.0
 STUCK_MARGIN_S = 5.0  # the tensors' lock busy this long past the all-reduce timeout: the averager is restarted
-REFUSAL_LOG_EVERY_S = 60.0
-MAX_OFFENCES = 3  # rounds in which a member's parts were dropped or far out of bounds before it is refused
 
 
 @dataclass(frozen=True)
@@ -116,122 +109,6 @@ class Averager(Protocol):
     def shutdown(self) -> None:
         """Cancel the round in flight and release what the averager holds; a second call does nothing."""
         ...
-
-
-class GatedAverager(hivemind.DecentralizedAverager):
-    """hivemind's averager that takes part only with members of the run (membership.py ``MemberGate``), judged by the
-    libp2p-authenticated peer id of every caller and groupmate.
-
-    hivemind 1.1.12 has no hook to authorize a caller of the averager's RPCs (its authorizer guards DHT RPCs only), so
-    the entry points a peer reaches are wrapped: a join request from a non-member is refused (``PROTOCOL_VIOLATION``),
-    its parts or state requests are answered with nothing, a non-member declared as a leader is not asked to lead
-    (hivemind's matchmaking has no filter of leaders: its per-leader request is wrapped in the averager process), and a
-    group that contains a non-member anyway is left before any tensor is sent (the round retries matchmaking until its
-    deadline, as for any failed group). In an open run the gate admits everyone.
-
-    Its all-reduce reduces each slice with the bounded mean (robust.py, through reducer.py) instead of hivemind's plain
-    weighted mean, and refuses, like a non-member, a member whose parts it dropped or found far out of bounds in
-    MAX_OFFENCES rounds (each averager process keeps its own count).
-    """
-
-    _rpc_handlers = None  # hivemind caches RPC handlers per class: a subclass must collect its own
-    _stub_type = None
-
-    def __init__(self, *args: Any, gate: MemberGate, **kwargs: Any) -> None:
-        self.gate = gate
-        self._refusals_logged: dict[tuple[str, str], float] = {}
-        self._offences: dict[str, int] = {}
-        super().__init__(*args, **kwargs)
-
-    async def _refuses(self, peer_id: PeerID, what: str) -> bool:
-        """Whether to refuse ``peer_id``; a refusal is logged once per REFUSAL_LOG_EVERY_S for each peer and kind."""
-        if await self.gate.admits(peer_id, self.dht):
-            return False
-        now, key = time.monotonic(), (str(peer_id), what)
-        if now - self._refusals_logged.get(key, -math.inf) >= REFUSAL_LOG_EVERY_S:
-            self._refusals_logged[key] = now
-            why = "refused after its offences" if self.gate.refused(str(peer_id)) else "not a member of the run"
-            logger.warning("refused %s from %s: %s", what, peer_id, why)
-        return True
-
-    async def _step(self, *, step: StepControl, future_for_init: Any) -> None:
-        self._ask_only_members_to_lead()
-        await super()._step(step=step, future_for_init=future_for_init)
-
-    def _ask_only_members_to_lead(self) -> None:
-        matchmaking = self._matchmaking
-        if getattr(matchmaking, "asks_members_only", False):
-            return
-        request_join_group = matchmaking._request_join_group
-
-        async def request_join_group_of_a_member(leader: PeerID) -> GroupInfo | None:
-            return None if await self._refuses(leader, "a lead") else await request_join_group(leader)
-
-        matchmaking._request_join_group = request_join_group_of_a_member
-        matchmaking.asks_members_only = True
-
-    async def rpc_join_group(
-        self, request: averaging_pb2.JoinRequest, context: P2PContext
-    ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
-        if await self._refuses(context.remote_id, "a join request"):
-            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
-            return
-        async for response in super().rpc_join_group(request, context):
-            yield response
-
-    async def rpc_aggregate_part(
-        self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
-    ) -> AsyncIterator[averaging_pb2.AveragingData]:
-        if await self._refuses(context.remote_id, "an all-reduce part"):
-            yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
-            return
-        async for message in super().rpc_aggregate_part(stream, context):
-            yield message
-
-    async def rpc_download_state(
-        self, request: averaging_pb2.DownloadRequest, context: P2PContext
-    ) -> AsyncIterator[averaging_pb2.DownloadData]:
-        if await self._refuses(context.remote_id, "a state download"):
-            return
-        async for message in super().rpc_download_state(request, context):
-            yield message
-
-    async def _run_allreduce_inplace_(
-        self, tensors: Sequence[torch.Tensor], group_info: GroupInfo, group_id: bytes | None = None, **kwargs: Any
-    ) -> None:
-        """hivemind's, with the bounded reducer (reducer.py) as the all-reduce runner (units never run as aux peers)."""
-        group_id = group_info.group_id if group_id is None else group_id
-        runner = BoundedAllReduceRunner(p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors,
-                                        group_id=group_id, ordered_peer_ids=group_info.peer_ids,
-                                        on_verdicts=self._judge, **kwargs)  # fmt: skip
-        self._running_groups[group_id].set_result(runner)
-        async for tensor, update in azip(as_aiter(*tensors), runner):
-            tensor.add_(update, alpha=self._averaging_alpha)
-            self.last_updated = get_dht_time()
-            self._state_updated.set()
-
-    def _judge(self, verdicts: dict[PeerID, SenderVerdict]) -> None:
-        """Log the members whose parts this unit clipped, capped or dropped; refuse a member for the rest of the run
-        once it offended (reducer.py) in MAX_OFFENCES rounds."""
-        for peer_id, verdict in verdicts.items():
-            summary = (f"{verdict.dropped} of {verdict.parts} parts dropped, {verdict.clipped} clipped (worst "
-                       f"{verdict.worst_excess:.1f}x the radius, {verdict.worst_relative:.2g}x the median's norm), "
-                       f"{verdict.capped} weights capped")  # fmt: skip
-            if not verdict.offended:
-                if verdict.clipped or verdict.capped:
-                    logger.info("member %s: %s", peer_id, summary)
-                continue
-            offences = self._offences[str(peer_id)] = self._offences.get(str(peer_id), 0) + 1
-            logger.warning("member %s offended: %s (offence %d of %d)", peer_id, summary, offences, MAX_OFFENCES)
-            if offences == MAX_OFFENCES:
-                self.gate.refuse(str(peer_id))
-                logger.warning("member %s refused for the rest of the run after %d offences", peer_id, offences)
-
-    async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any) -> Any:
-        for peer_id in group_info.peer_ids:
-            if peer_id != self.peer_id and await self._refuses(peer_id, "a group"):
-                raise MatchmakingException(f"group {group_info.group_id!r} has a non-member, {peer_id}")
-        return await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
 
 
 @dataclass

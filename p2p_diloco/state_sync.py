@@ -1,7 +1,7 @@
 """Serve and download the swarm's global state (φ, outer momentum, counters) for joiners and stragglers.
 
 Every live learning unit serves its latest consensus state through a hivemind averager that never averages: it
-only answers state downloads, to members of the run (averaging.py ``GatedAverager``). After every publication it
+only answers state downloads, to members of the run (gated.py ``GatedAverager``). After every publication it
 declares itself a donor in a signed record (records.py ``DonorRecord``: its fragment rounds and the SHA-256 of the
 tensors it serves). The bootstrap node serves nothing: state always comes from a live unit.
 
@@ -42,8 +42,8 @@ from hivemind.utils.asyncio import aiter_with_timeout
 from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.streaming import combine_from_streaming
 
-from p2p_diloco.averaging import GatedAverager
 from p2p_diloco.diloco import distance
+from p2p_diloco.gated import GatedAverager
 from p2p_diloco.members import believed_rounds
 from p2p_diloco.membership import MemberGate
 from p2p_diloco.records import DonorRecord
@@ -100,7 +100,7 @@ def state_digest(tensors: Sequence[torch.Tensor]) -> str:
 
 
 class _SnapshotAverager(GatedAverager):
-    """The gated averager (members only, averaging.py) that serves a copy of its tensors and downloads from one
+    """The gated averager (members only, gated.py) that serves a copy of its tensors and downloads from one
     chosen donor. hivemind's ``get_current_state`` (the hook it documents for overriding) returns the live shared
     buffers, which the averager process then compresses tensor by tensor after the lock is released: a publication in
     between mixed two rounds' tensors (seen in a swarm test, a joiner's φ between the donors' φ of rounds 7 and 8).

@@ -11,8 +11,9 @@ import pytest
 import torch
 from swarms import record_peers
 
-from p2p_diloco.averaging import MAX_OFFENCES, STUCK_MARGIN_S, TENSOR_LOCK_WAIT_S, GatedAverager, OuterAverager
+from p2p_diloco.averaging import STUCK_MARGIN_S, TENSOR_LOCK_WAIT_S, OuterAverager
 from p2p_diloco.dht import stop_dht
+from p2p_diloco.gated import MAX_OFFENCES, GatedAverager
 from p2p_diloco.membership import MemberGate
 from p2p_diloco.reducer import SenderVerdict
 
