@@ -49,7 +49,6 @@ logger = logging.getLogger(__name__)
 ADMISSION_PREFIX = "p2p-diloco-admission-v1:"
 MISS_REREAD_S = 1.0
 """A caller the gate did not find triggers a new read of the members' records at most this often."""
-MEMBERS_READ_TIMEOUT_S = 5.0
 _OWNER_RE = re.compile(re.escape(b"[owner:") + rb"(.+?)" + re.escape(b"]"))
 
 

@@ -15,7 +15,7 @@ import math
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 
 import hivemind
 import pydantic.v1 as pydantic
@@ -122,8 +122,16 @@ class _RunSchema(pydantic.BaseModel):
     model: _SHORT_TEXT
 
 
+def progress_key(run_id: str) -> str:
+    return f"{run_id}_progress"
+
+
 def members_key(run_id: str) -> str:
     return f"{run_id}_members"
+
+
+def donors_key(run_id: str) -> str:
+    return f"{run_id}_donors"
 
 
 def record_validators(access: RunAccess, private_key: RSAPrivateKey | None = None) -> list:
@@ -133,7 +141,7 @@ def record_validators(access: RunAccess, private_key: RSAPrivateKey | None = Non
     Records are signed with ``private_key`` (a unit gives its libp2p identity's key, so that its records name its peer
     id), by default the process-wide key that other hivemind components share.
     """
-    signed_keys = (f"{access.run_id}_progress", members_key(access.run_id), f"{access.run_id}_donors")
+    signed_keys = (progress_key(access.run_id), members_key(access.run_id), donors_key(access.run_id))
     return [
         SchemaValidator(_RunSchema, prefix=access.run_id),
         RSASignatureValidator(private_key),
@@ -188,22 +196,32 @@ def in_phase(records: dict[str, PeerProgress], *phases: Phase) -> dict[str, Peer
     return {peer_id: record for peer_id, record in records.items() if record.phase in phases}
 
 
-def latest_progress(found: hivemind.utils.ValueWithExpiration | None) -> dict[str, PeerProgress]:
-    """The unexpired, well-formed progress records of a DHT get's value, by peer id (the freshest one if a peer id
-    appears twice); malformed entries are dropped (logged at debug level)."""
+Record = TypeVar("Record", bound=pydantic.BaseModel)
+
+
+def unexpired_records(found: hivemind.utils.ValueWithExpiration | None, model: type[Record]) -> list[Record]:
+    """The unexpired entries of a DHT get's dictionary value that parse as ``model``; malformed entries are dropped
+    (logged at debug level)."""
     if found is None or not isinstance(found.value, dict):
-        return {}
-    now = get_dht_time()
-    latest: dict[str, PeerProgress] = {}
+        return []
+    now, records = get_dht_time(), []
     for subkey, item in found.value.items():
         try:
-            progress = PeerProgress.parse_obj(item.value)
+            record = model.parse_obj(item.value)
         except (pydantic.ValidationError, TypeError) as error:
             logger.debug("record dropped subkey=%r error=%s", subkey[:32], error)
             continue
-        if item.expiration_time > now and (
-            progress.peer_id not in latest or progress.last_seen > latest[progress.peer_id].last_seen
-        ):
+        if item.expiration_time > now:
+            records.append(record)
+    return records
+
+
+def latest_progress(found: hivemind.utils.ValueWithExpiration | None) -> dict[str, PeerProgress]:
+    """The unexpired, well-formed progress records of a DHT get's value, by peer id (the freshest one if a peer id
+    appears twice)."""
+    latest: dict[str, PeerProgress] = {}
+    for progress in unexpired_records(found, PeerProgress):
+        if progress.peer_id not in latest or progress.last_seen > latest[progress.peer_id].last_seen:
             latest[progress.peer_id] = progress
     return latest
 
@@ -219,8 +237,8 @@ class SwarmRecords:
         if not signers:
             raise ValueError("validators must include an RSASignatureValidator (use record_validators)")
         self.dht, self.access, self.run_id = dht, access, access.run_id
-        self.progress_key, self.model_key = f"{self.run_id}_progress", f"{self.run_id}_model"
-        self.donors_key = f"{self.run_id}_donors"
+        self.progress_key, self.model_key = progress_key(self.run_id), f"{self.run_id}_model"
+        self.donors_key = donors_key(self.run_id)
         self._subkey = signers[0].local_public_key
 
     def publish_progress(self, progress: PeerProgress, ttl_s: float = 60, wait: bool = False) -> None:
@@ -239,18 +257,8 @@ class SwarmRecords:
     def read_donors(self, state_key: str) -> dict[str, DonorRecord]:
         """The unexpired, well-formed donor records serving ``state_key``, by peer id (blocks at most
         ``DHT_TIMEOUT_S``; empty, with a warning, when the DHT cannot be read)."""
-        found = self._get(self.donors_key)
-        if found is None or not isinstance(found.value, dict):
-            return {}
-        now, donors = get_dht_time(), {}
-        for item in found.value.values():
-            try:
-                donor = DonorRecord.parse_obj(item.value)
-            except (pydantic.ValidationError, TypeError):
-                continue
-            if item.expiration_time > now and donor.state_key == state_key:
-                donors[donor.peer_id] = donor
-        return donors
+        donors = unexpired_records(self._get(self.donors_key), DonorRecord)
+        return {donor.peer_id: donor for donor in donors if donor.state_key == state_key}
 
     def publish_membership(self, ttl_s: float = 3600, wait: bool = False) -> None:
         """In a private run, store this peer's admission where the members' averagers look callers up (membership.py

@@ -24,7 +24,6 @@ its tensors' lock, so a publication that lands while a peer streams the state ca
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import random
@@ -42,6 +41,7 @@ from hivemind.utils.asyncio import aiter_with_timeout
 from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.streaming import combine_from_streaming
 
+from p2p_diloco.checkpoint import payload_digest
 from p2p_diloco.diloco import distance
 from p2p_diloco.gated import GatedAverager
 from p2p_diloco.members import believed_rounds
@@ -89,14 +89,6 @@ class DonorRecords(Protocol):
     def publish_donor(self, donor: DonorRecord, ttl_s: float = DONOR_TTL_S) -> None: ...
 
     def read_donors(self, state_key: str) -> dict[str, DonorRecord]: ...
-
-
-def state_digest(tensors: Sequence[torch.Tensor]) -> str:
-    """SHA-256 over the tensors' bytes, in order (what a donor declares and a joiner checks)."""
-    digest = hashlib.sha256()
-    for tensor in tensors:
-        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().data)
-    return digest.hexdigest()
 
 
 class _SnapshotAverager(GatedAverager):
@@ -201,7 +193,7 @@ class StateServer:
                     [STATE_FORMAT, state.inner_step, state.tokens, *state.fragment_rounds], dtype=torch.float64
                 )
             )
-            digest = state_digest(buffers)
+            digest = payload_digest(list(buffers))
         self._averager.allow_state_sharing = True
         self._donors.publish_donor(DonorRecord(peer_id=self._peer_id, state_key=self._prefix,
                                                fragment_rounds=list(state.fragment_rounds), digest=digest))  # fmt: skip
@@ -257,7 +249,7 @@ class StateServer:
             logger.warning("state download from %s failed: %s", donor.peer_id, error or type(error).__name__)
             return None
         try:
-            if state_digest(tensors) != donor.digest:
+            if payload_digest(list(tensors)) != donor.digest:
                 raise ValueError("its SHA-256 differs from the one the donor declared")
             state = self._validated(tensors)
             if state.fragment_rounds != donor.fragment_rounds:

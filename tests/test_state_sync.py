@@ -10,8 +10,9 @@ import pytest
 import torch
 from swarms import record_peers
 
+from p2p_diloco.checkpoint import payload_digest
 from p2p_diloco.records import DonorRecord, SwarmRecords
-from p2p_diloco.state_sync import StateServer, SwarmState, state_digest
+from p2p_diloco.state_sync import StateServer, SwarmState
 
 pytestmark = pytest.mark.swarm
 
@@ -88,7 +89,7 @@ def test_a_lone_donor_is_taken_and_a_state_unlike_its_declaration_is_not(
     assert "uncorroborated" in caplog.text
     records: SwarmRecords = donor._donors  # type: ignore[assignment]
     declared = records.read_donors(KEY)[donor._peer_id]
-    assert declared.digest == state_digest(donor._averager.get_current_state()[1])
+    assert declared.digest == payload_digest(list(donor._averager.get_current_state()[1]))
     records.publish_donor(DonorRecord(**{**declared.dict(), "digest": "0" * 64}))  # it declares another state
     deadline = time.monotonic() + 30
     while records.read_donors(KEY)[donor._peer_id].digest != "0" * 64 and time.monotonic() < deadline:
