@@ -1,10 +1,10 @@
 """The red team's learning unit: the project's own CLI with one part of what it sends replaced (its round metadata,
-or the tensors it averages).
+the tensors it averages, the averages it returns as a reducer, the state it serves, or its records).
 
-    python bench/red_team.py VARIANT join ...     (the arguments of ``p2p-diloco join``)
+    python bench/red_team.py VARIANT[+VARIANT...] join ...     (the arguments of ``p2p-diloco join``)
 
 Each variant patches the running process only, before the CLI starts: the unit then joins, trains and averages like
-any other, and lies where its variant says. Tests (tests/test_red_team.py) and the security benchmark
+any other, and lies where its variants say. Tests (tests/test_red_team.py) and the security benchmark
 (bench/security.py) start it with ``Swarm.unit(..., cli=red_team_cli(VARIANT))``.
 """
 
@@ -13,16 +13,22 @@ from __future__ import annotations
 import functools
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import hivemind
 import torch
 
-from p2p_diloco import cli, streaming
+from p2p_diloco import cli, reducer, streaming
 from p2p_diloco.averaging import OuterAverager
-from p2p_diloco.dht import ensure_identity, identity_peer_id
+from p2p_diloco.config import NetworkSection
+from p2p_diloco.dht import ensure_identity, identity_peer_id, peer_identity, start_dht, visible_multiaddrs
+from p2p_diloco.members import MAX_ROUND_LEAD
 from p2p_diloco.membership import Admission, load_identity_key
+from p2p_diloco.records import DonorRecord, PeerProgress, SwarmRecords, record_validators
+from p2p_diloco.robust import BoundedMean, bounded_mean
+from p2p_diloco.state_sync import StateServer, SwarmState
 
 GatherRewrite = Callable[[dict[str, Any]], dict[str, Any]]
 
@@ -59,14 +65,99 @@ WEIGHT_REWRITES = {
     "weight-x1000": lambda weight: 1000 * weight,
 }
 
-VARIANTS = (*GATHER_REWRITES, *PAYLOAD_REWRITES, *STEP_REWRITES, *WEIGHT_REWRITES)
+SYBIL_DONORS = 8
+"""Identities the donor flood declares as donors (each a DHT client of its own that serves nothing)."""
+FORGED_ROUND = 999_999
 
 
-def red_team_cli(variant: str) -> list[str]:
-    """The program that takes ``join ...`` for a unit of ``variant``."""
-    if variant not in VARIANTS:
-        raise ValueError(f"unknown red-team variant {variant!r}")
-    return [sys.executable, str(Path(__file__).resolve()), variant]
+def _thousandfold_average(*args: Any, **kwargs: Any) -> BoundedMean:
+    result = bounded_mean(*args, **kwargs)
+    return replace(result, value=1000 * result.value)
+
+
+def _reduce_thousandfold() -> None:
+    """As a reducer, this process returns 1000 × the average of its slice to every member."""
+    reducer.bounded_mean = _thousandfold_average
+
+
+def _serve_poisoned_state() -> None:
+    """Every state this process publishes is random tensors, declared (signed, with their SHA-256) at round 10^6."""
+    honest = StateServer.publish
+
+    @functools.wraps(honest)
+    def publish(self: StateServer, state: SwarmState) -> None:
+        poisoned = SwarmState([torch.randn_like(tensor) for tensor in state.global_params],
+                              [torch.randn_like(tensor) for tensor in state.momentum],
+                              [10**6] * len(state.fragment_rounds), state.inner_step, state.tokens)  # fmt: skip
+        honest(self, poisoned)
+
+    StateServer.publish = publish  # type: ignore[method-assign]
+
+
+def _flood_donor_records() -> None:
+    """With every state it publishes, this process declares SYBIL_DONORS other identities (signed by each, so valid
+    records) donors of a believable, fresher state: MAX_ROUND_LEAD rounds ahead of its own; none serves anything."""
+    honest = StateServer.publish
+    sybils: list[SwarmRecords] = []
+
+    @functools.wraps(honest)
+    def publish(self: StateServer, state: SwarmState) -> None:
+        honest(self, state)
+        donors: SwarmRecords = self._donors  # type: ignore[assignment]
+        if not sybils:
+            sybils.extend(_sybil_records(donors, SYBIL_DONORS))
+        fresher = [outer_round + MAX_ROUND_LEAD for outer_round in state.fragment_rounds]
+        for sybil in sybils:
+            claim = DonorRecord(peer_id=str(sybil.dht.peer_id), state_key=self._prefix, fragment_rounds=fresher,
+                                digest="0" * 64)  # fmt: skip
+            sybil.publish_donor(claim)
+
+    StateServer.publish = publish  # type: ignore[method-assign]
+
+
+def _sybil_records(records: SwarmRecords, count: int) -> list[SwarmRecords]:
+    """``count`` DHT clients with fresh identities, joined through ``records``' DHT (they stop with this process)."""
+    network = NetworkSection(run_id=records.run_id, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                             initial_peers=visible_multiaddrs(records.dht))  # fmt: skip
+    sybils = []
+    for _ in range(count):
+        identity = peer_identity(None)
+        validators = record_validators(records.access, identity.key)
+        dht = start_dht(network, identity=identity, record_validators=validators, client_mode=True)
+        sybils.append(SwarmRecords(dht, records.access, validators))
+    return sybils
+
+
+def _forge_progress_records() -> None:
+    """Every progress record this process publishes names another peer of the run, at round FORGED_ROUND."""
+    honest = SwarmRecords.publish_progress
+
+    @functools.wraps(honest)
+    def publish_progress(self: SwarmRecords, progress: PeerProgress, *args: Any, **kwargs: Any) -> None:
+        others = sorted(peer for peer in self.read_progress() if peer != progress.peer_id)
+        if others:
+            progress = progress.copy(update={"peer_id": others[0], "outer_round": FORGED_ROUND})
+        honest(self, progress, *args, **kwargs)
+
+    SwarmRecords.publish_progress = publish_progress  # type: ignore[method-assign]
+
+
+OTHER_REWRITES: dict[str, Callable[[], None]] = {
+    "reducer-x1000": _reduce_thousandfold,
+    "state-far-ahead": _serve_poisoned_state,
+    "donor-flood": _flood_donor_records,
+    "record-forgery": _forge_progress_records,
+}
+
+VARIANTS = (*GATHER_REWRITES, *PAYLOAD_REWRITES, *STEP_REWRITES, *WEIGHT_REWRITES, *OTHER_REWRITES)
+
+
+def red_team_cli(*variants: str) -> list[str]:
+    """The program that takes ``join ...`` for a unit lying as each of ``variants`` says."""
+    unknown = [variant for variant in variants if variant not in VARIANTS]
+    if unknown or not variants:
+        raise ValueError(f"unknown red-team variants {unknown!r}" if unknown else "give at least one variant")
+    return [sys.executable, str(Path(__file__).resolve()), "+".join(variants)]
 
 
 def admitted_flags(root: Path, name: str, run_id: str, run_key: Path) -> tuple[str, ...]:
@@ -124,14 +215,20 @@ def _rewrite_gathers(rewrite: GatherRewrite) -> None:
     hivemind.DecentralizedAverager.step = step
 
 
-if __name__ == "__main__":
-    variant = sys.argv[1]
+def _apply(variant: str) -> None:
     if variant in GATHER_REWRITES:
         _rewrite_gathers(GATHER_REWRITES[variant])
     elif variant in PAYLOAD_REWRITES:
         _rewrite_payloads(PAYLOAD_REWRITES[variant])
     elif variant in STEP_REWRITES:
         _rewrite_pseudo_gradients(STEP_REWRITES[variant])
-    else:
+    elif variant in WEIGHT_REWRITES:
         _rewrite_weights(WEIGHT_REWRITES[variant])
+    else:
+        OTHER_REWRITES[variant]()
+
+
+if __name__ == "__main__":
+    for variant in sys.argv[1].split("+"):
+        _apply(variant)
     sys.exit(cli.main(sys.argv[2:]))

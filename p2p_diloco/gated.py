@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import Sequence
 from typing import Any, AsyncIterator  # noqa: UP035 (hivemind reads RPC stream types from typing's alias)
 
@@ -28,7 +29,8 @@ from p2p_diloco.reducer import BoundedAllReduceRunner, SenderVerdict
 logger = logging.getLogger(__name__)
 
 REFUSAL_LOG_EVERY_S = 60.0
-MAX_OFFENCES = 3  # rounds in which a member's parts were dropped or far out of bounds before it is refused
+MAX_OFFENCES = 3  # rounds, of a member's last OFFENCE_WINDOW with this averager, in which it offended (reducer.py)
+OFFENCE_WINDOW = 6
 
 
 class GatedAverager(hivemind.DecentralizedAverager):
@@ -43,8 +45,9 @@ class GatedAverager(hivemind.DecentralizedAverager):
     deadline, as for any failed group). In an open run the gate admits everyone.
 
     Its all-reduce reduces each slice with the bounded mean (robust.py, through reducer.py) instead of hivemind's plain
-    weighted mean, and refuses, like a non-member, a member whose parts it dropped or found far out of bounds in
-    MAX_OFFENCES rounds (each averager process keeps its own count).
+    weighted mean, checks the averaged parts the others return, and refuses, like a non-member, a member that offended
+    (its parts invalid, dropped as far or far out of bounds, or its averages implausible: reducer.py) in MAX_OFFENCES
+    of its last OFFENCE_WINDOW rounds with this averager (each averager process keeps its own count).
     """
 
     _rpc_handlers = None  # hivemind caches RPC handlers per class: a subclass must collect its own
@@ -53,7 +56,7 @@ class GatedAverager(hivemind.DecentralizedAverager):
     def __init__(self, *args: Any, gate: MemberGate, **kwargs: Any) -> None:
         self.gate = gate
         self._refusals_logged: dict[tuple[str, str], float] = {}
-        self._offences: dict[str, int] = {}
+        self._offences: dict[str, deque[bool]] = {}
         super().__init__(*args, **kwargs)
 
     async def _refuses(self, peer_id: PeerID, what: str) -> bool:
@@ -124,19 +127,21 @@ class GatedAverager(hivemind.DecentralizedAverager):
             self._state_updated.set()
 
     def _judge(self, verdicts: dict[PeerID, SenderVerdict]) -> None:
-        """Log the members whose parts this unit clipped, capped or dropped; refuse a member for the rest of the run
-        once it offended (reducer.py) in MAX_OFFENCES rounds."""
+        """Log the members whose parts this unit clipped, capped or dropped or whose averages it replaced; refuse a
+        member for the rest of the run once it offended (reducer.py) in MAX_OFFENCES of its last OFFENCE_WINDOW
+        rounds."""
         for peer_id, verdict in verdicts.items():
-            summary = (f"{verdict.dropped} of {verdict.parts} parts dropped, {verdict.clipped} clipped (worst "
-                       f"{verdict.worst_excess:.1f}x the radius, {verdict.worst_relative:.2g}x the median's norm), "
-                       f"{verdict.capped} weights capped")  # fmt: skip
+            history = self._offences.setdefault(str(peer_id), deque(maxlen=OFFENCE_WINDOW))
+            history.append(verdict.offended)
+            summary = verdict.summary()
             if not verdict.offended:
-                if verdict.clipped or verdict.capped:
+                if verdict.noteworthy:
                     logger.info("member %s: %s", peer_id, summary)
                 continue
-            offences = self._offences[str(peer_id)] = self._offences.get(str(peer_id), 0) + 1
-            logger.warning("member %s offended: %s (offence %d of %d)", peer_id, summary, offences, MAX_OFFENCES)
-            if offences == MAX_OFFENCES:
+            offences = sum(history)
+            logger.warning("member %s offended: %s (%d offences in its last %d rounds, refused at %d)", peer_id,
+                           summary, offences, len(history), MAX_OFFENCES)  # fmt: skip
+            if offences >= MAX_OFFENCES and not self.gate.refused(str(peer_id)):
                 self.gate.refuse(str(peer_id))
                 logger.warning("member %s refused for the rest of the run after %d offences", peer_id, offences)
 

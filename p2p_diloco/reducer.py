@@ -1,17 +1,22 @@
 """hivemind's all-reduce with a bounded reducer: each unit reduces its slice of a round with :func:`bounded_mean`
-(robust.py) instead of the plain weighted mean, and judges the members whose parts it had to drop or clip far.
+(robust.py) instead of the plain weighted mean, checks the averaged slices the other members return, and judges the
+members whose parts it had to drop or clip far, or whose averages were implausible.
 
 hivemind 1.1.12 has no hook for the reducer's rule: ``AllReduceRunner`` builds a ``TensorPartReducer`` that sums
 each sender's part with the weight the sender states. :class:`BoundedAllReduceRunner` replaces that reducer with
 :class:`BoundedPartReducer`, which keeps hivemind's ordering, failure and ban logic and changes only how one slice is
-combined once every live sender's part arrived. The exchange on the wire is unchanged (no extra bytes); the cost is
-buffering one slice of every sender and a median over them.
+combined once every live sender's part arrived. Each averaged part another member returns (as the difference from
+what this unit sent it) must have the shape sent, be finite, and have an RMS of at most OFFENCE_RELATIVE × that of
+the slice sent to that member; an implausible one is replaced by zeros (this unit keeps its own values of that part,
+as hivemind does for a reducer that failed), the others are used. The exchange on the wire is unchanged (no extra
+bytes); the cost is buffering one slice of every sender and a median over them.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,9 +30,10 @@ from p2p_diloco.robust import bounded_mean
 logger = logging.getLogger(__name__)
 
 OFFENCE_RELATIVE = 10.0
-"""A part whose deviation from the slice's median is over this × the median's norm counts as an offence (honest
-proposals differ by a fraction of φ, honest pseudo-gradients by about their own size; a part clipped only because
-the others agree closely is no offence)."""
+"""A part whose deviation from the slice's median is over this × the median's norm, or an averaged part returned
+with an RMS over this × that of the slice sent, counts as an offence (honest proposals differ by a fraction of φ,
+honest pseudo-gradients by about their own size; a part clipped only because the others agree closely is no
+offence, a part dropped as far is)."""
 
 
 @dataclass
@@ -40,6 +46,7 @@ class SenderVerdict:
     capped: int = 0
     worst_excess: float = 0.0
     worst_relative: float = 0.0
+    implausible_results: int = 0  # averaged parts it returned as a reducer that this unit replaced by its own
     offended: bool = field(default=False)
 
     def add(self, invalid: bool, far: bool, clipped: bool, capped: bool, excess: float, relative: float) -> None:
@@ -49,12 +56,32 @@ class SenderVerdict:
         self.capped += capped
         self.worst_excess = max(self.worst_excess, excess)
         self.worst_relative = max(self.worst_relative, relative)
-        self.offended = self.offended or invalid or relative > OFFENCE_RELATIVE
+        self.offended = self.offended or invalid or far or relative > OFFENCE_RELATIVE
+
+    def add_implausible_result(self) -> None:
+        self.implausible_results += 1
+        self.offended = True
+
+    def summary(self) -> str:
+        """What happened to this member's parts and averages, for a log line."""
+        said = []
+        if self.parts:
+            said.append(f"{self.dropped} of {self.parts} parts dropped, {self.clipped} clipped (worst "
+                        f"{self.worst_excess:.1f}x the radius, {self.worst_relative:.2g}x the median's norm), "
+                        f"{self.capped} weights capped")  # fmt: skip
+        if self.implausible_results:
+            said.append(f"{self.implausible_results} of its averages replaced by this unit's own values")
+        return "; ".join(said)
+
+    @property
+    def noteworthy(self) -> bool:
+        """Whether anything of this member's was dropped, clipped, capped or replaced."""
+        return bool(self.dropped or self.clipped or self.capped or self.implausible_results)
 
 
 class BoundedPartReducer(TensorPartReducer):
     """hivemind's reducer of one unit's slice, combining each part with :func:`bounded_mean`; ``verdicts[i]`` says
-    what sender ``i``'s parts went through, and ``on_finished(verdicts)`` is called once the reducer is done."""
+    what sender ``i``'s parts went through, and ``on_finished(verdicts)`` is called once the reducer is finalized."""
 
     def __init__(
         self, part_shapes: Sequence[torch.Size], num_senders: int, on_finished: Callable[[list[SenderVerdict]], None]
@@ -111,8 +138,9 @@ class BoundedPartReducer(TensorPartReducer):
 
 
 class BoundedAllReduceRunner(AllReduceRunner):
-    """hivemind's all-reduce runner with :class:`BoundedPartReducer`; ``on_verdicts`` receives, once this unit's
-    slice is reduced, every other sender's peer id with its :class:`SenderVerdict` (senders of no part left out)."""
+    """hivemind's all-reduce runner with :class:`BoundedPartReducer` and checked results; ``on_verdicts`` receives,
+    once the all-reduce ended (however it ended), every other member's peer id with its :class:`SenderVerdict`
+    (members this unit exchanged nothing with left out)."""
 
     tensor_part_reducer: TensorPartReducer
 
@@ -120,9 +148,51 @@ class BoundedAllReduceRunner(AllReduceRunner):
         super().__init__(*args, **kwargs)
         shapes = tuple(part.shape for part in self.parts_for_local_averaging)
         self.tensor_part_reducer.finished.set()  # hivemind's own reducer goes unused: its __del__ would warn
+        self._on_verdicts = on_verdicts
+        self._verdicts = {peer: SenderVerdict() for peer in self.ordered_peer_ids if peer != self.peer_id}
+        self._sent_rms: dict[int, float] = {}
 
-        def report(verdicts: list[SenderVerdict]) -> None:
-            on_verdicts({peer: verdict for peer, verdict in zip(self.sender_peer_ids, verdicts)
-                         if peer != self.peer_id and verdict.parts})  # fmt: skip
+        def keep(verdicts: list[SenderVerdict]) -> None:
+            for peer, verdict in zip(self.sender_peer_ids, verdicts):
+                if peer in self._verdicts:
+                    verdict.implausible_results = self._verdicts[peer].implausible_results
+                    verdict.offended = verdict.offended or bool(verdict.implausible_results)
+                    self._verdicts[peer] = verdict
 
-        self.tensor_part_reducer = BoundedPartReducer(shapes, len(self.sender_peer_ids), report)
+        self.tensor_part_reducer = BoundedPartReducer(shapes, len(self.sender_peer_ids), keep)
+        register = self.tensor_part_container.register_processed_part
+
+        def register_plausible(peer_index: int, part_index: int, delta: torch.Tensor) -> None:
+            peer = self.ordered_peer_ids[peer_index]
+            if peer != self.peer_id and not self._plausible(peer_index, part_index, delta):
+                self._verdicts[peer].add_implausible_result()
+                delta = torch.zeros_like(self._sent_part(peer_index, part_index))
+            register(peer_index, part_index, delta)
+
+        self.tensor_part_container.register_processed_part = register_plausible
+
+    def _sent_part(self, peer_index: int, part_index: int) -> torch.Tensor:
+        part: torch.Tensor = self.tensor_part_container._input_parts_by_peer[peer_index][part_index][0]
+        return part
+
+    def _plausible(self, peer_index: int, part_index: int, delta: Any) -> bool:
+        """Whether a member's averaged part (as a difference from what this unit sent it) can be used: the shape
+        sent, finite, an RMS of at most OFFENCE_RELATIVE × that of the whole slice sent to it (any finite one
+        when that slice was all zeros)."""
+        sent = self._sent_part(peer_index, part_index)
+        if not isinstance(delta, torch.Tensor) or delta.shape != sent.shape or not bool(delta.isfinite().all()):
+            return False
+        if peer_index not in self._sent_rms:
+            slice_parts = self.tensor_part_container._input_parts_by_peer[peer_index]
+            squares = sum(float(part.double().square().sum()) for part, _ in slice_parts)
+            self._sent_rms[peer_index] = math.sqrt(squares / max(1, sum(part.numel() for part, _ in slice_parts)))
+        rms = float(delta.double().square().mean().sqrt()) if delta.numel() else 0.0
+        return self._sent_rms[peer_index] == 0 or rms <= OFFENCE_RELATIVE * self._sent_rms[peer_index]
+
+    def finalize(self, *, cancel: bool = False, exception: BaseException | None = None) -> None:
+        """hivemind's, then the verdicts go to ``on_verdicts`` (once, however the all-reduce ended)."""
+        first = not self._future.done()
+        super().finalize(cancel=cancel, exception=exception)
+        if first:
+            self._on_verdicts({peer: verdict for peer, verdict in self._verdicts.items()
+                               if verdict.parts or verdict.implausible_results})  # fmt: skip

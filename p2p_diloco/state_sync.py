@@ -9,7 +9,8 @@ A joiner trusts no single donor (:meth:`StateServer.download`):
 
 * a donor whose round is far ahead of the other donors' is not believed (members.py ``believed_rounds``);
 * the believed donors are tried freshest first, and each download is checked before use: the SHA-256 the donor
-  declared, then tensor count, shapes, dtypes, finite values and sane counters;
+  declared (its record is read again when they differ: it may have published a newer state since), then tensor
+  count, shapes, dtypes, finite values and sane counters;
 * a state is taken once a second donor's download agrees with it (φ within ``CORROBORATION_TOLERANCE`` of each
   other, relative to ‖φ‖); donors that disagree are outvoted by the next ones. A state no other download
   contradicts is taken alone only when it is the only one that could be downloaded. So a joiner downloads twice
@@ -249,7 +250,10 @@ class StateServer:
             logger.warning("state download from %s failed: %s", donor.peer_id, error or type(error).__name__)
             return None
         try:
-            if payload_digest(list(tensors)) != donor.digest:
+            digest = payload_digest(list(tensors))
+            if digest != donor.digest:  # the donor may have published since we read its record: read it again
+                donor = self._donors.read_donors(self._prefix).get(donor.peer_id, donor)
+            if digest != donor.digest:
                 raise ValueError("its SHA-256 differs from the one the donor declared")
             state = self._validated(tensors)
             if state.fragment_rounds != donor.fragment_rounds:

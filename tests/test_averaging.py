@@ -4,18 +4,22 @@ averager that keeps it is replaced."""
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from types import SimpleNamespace
+from typing import Any
 
 import hivemind
 import pytest
 import torch
 from swarms import record_peers
 
+from p2p_diloco import reducer
 from p2p_diloco.averaging import STUCK_MARGIN_S, TENSOR_LOCK_WAIT_S, OuterAverager
 from p2p_diloco.dht import stop_dht
-from p2p_diloco.gated import MAX_OFFENCES, GatedAverager
+from p2p_diloco.gated import MAX_OFFENCES, OFFENCE_WINDOW, GatedAverager
 from p2p_diloco.membership import MemberGate
 from p2p_diloco.reducer import SenderVerdict
+from p2p_diloco.robust import BoundedMean, bounded_mean
 
 
 @pytest.mark.swarm
@@ -92,16 +96,62 @@ def test_a_member_far_out_of_bounds_is_left_out() -> None:
                 averager.shutdown()
 
 
-def test_a_member_is_refused_after_max_offences_and_only_then() -> None:
-    """The policy of ``GatedAverager._judge``: clipped or capped parts are logged only; a member whose parts were
-    dropped as invalid or far off (an offence) is refused from its MAX_OFFENCES-th offending round on."""
+@pytest.mark.swarm
+def test_a_reducer_returning_implausible_averages_is_replaced_then_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three averagers, the third of which, as a reducer, returns 1000 × the average of its slice: the honest members
+    keep their own values of that slice (and the honest average of the others), never its averages, and refuse it
+    after MAX_OFFENCES rounds (then they average in pairs)."""
+    size = 400_000  # several parts of hivemind's 512 KiB: every member reduces a slice
+    generator = torch.Generator().manual_seed(1)
+    with record_peers(3) as peers:
+        averagers = [OuterAverager(peer.dht, "reducer", [torch.zeros(size)], quorum=1, target_group_size=3,
+                                   allreduce_timeout_s=10) for peer in peers[:2]]  # fmt: skip
+        with monkeypatch.context() as patched:  # the averager's process is forked with the patch, and only it
+            patched.setattr(reducer, "bounded_mean", thousandfold_bounded_mean)
+            averagers.append(OuterAverager(peers[2].dht, "reducer", [torch.zeros(size)], quorum=1,
+                                           target_group_size=3, allreduce_timeout_s=10))  # fmt: skip
+        try:
+            sizes = []
+            for number in range(MAX_OFFENCES + 2):
+                proposals = [1 + 0.01 * torch.randn(size, generator=generator) for _ in averagers]
+                for averager, proposal in zip(averagers, proposals):
+                    assert averager.begin_round([proposal], weight=1.0, outer_round=number, window_s=3.0)
+                outcomes = [averager.finish_round(timeout_s=30.0) for averager in averagers]
+                for outcome, own in zip(outcomes[:2], proposals):
+                    assert outcome is not None and outcome.averaged is not None
+                    gap = float((outcome.averaged[0] - own).abs().max())
+                    assert gap < 0.1, (number, outcome.group_size, gap)  # honest values differ by about 0.01
+                sizes.append(outcomes[0].group_size)
+            assert sizes[-1] <= 2, sizes
+        finally:
+            for averager in averagers:
+                averager.shutdown()
+
+
+def thousandfold_bounded_mean(*args: Any) -> BoundedMean:
+    result = bounded_mean(*args)
+    return replace(result, value=1000 * result.value)
+
+
+def test_a_member_is_refused_after_max_offences_in_its_window_and_only_then() -> None:
+    """The policy of ``GatedAverager._judge``: clipped or capped parts are logged only; a member that offended
+    (parts dropped as invalid or far off, implausible averages) is refused once MAX_OFFENCES of its last
+    OFFENCE_WINDOW rounds were offences, and never for offences further apart than that."""
     judge = SimpleNamespace(gate=MemberGate.everyone(), _offences={})
     mild = SenderVerdict(parts=3, clipped=2, capped=1)
     offending = SenderVerdict(parts=3, dropped=1, offended=True)
     for _ in range(MAX_OFFENCES + 2):
         GatedAverager._judge(judge, {"QmMild": mild})  # type: ignore[arg-type]
     assert not judge.gate.refused("QmMild")
-    for _ in range(MAX_OFFENCES):
+    for _ in range(4 * MAX_OFFENCES):  # an offence once every OFFENCE_WINDOW rounds: never refused
+        GatedAverager._judge(judge, {"QmRare": offending})  # type: ignore[arg-type]
+        for _ in range(OFFENCE_WINDOW - 1):
+            GatedAverager._judge(judge, {"QmRare": mild})  # type: ignore[arg-type]
+    assert not judge.gate.refused("QmRare")
+    for _ in range(MAX_OFFENCES - 1):  # every other round: refused at its MAX_OFFENCES-th offence
         assert not judge.gate.refused("QmRed")
         GatedAverager._judge(judge, {"QmRed": offending})  # type: ignore[arg-type]
-    assert judge.gate.refused("QmRed") and not judge.gate.refused("QmMild")
+        GatedAverager._judge(judge, {"QmRed": mild})  # type: ignore[arg-type]
+    assert not judge.gate.refused("QmRed")
+    GatedAverager._judge(judge, {"QmRed": offending})  # type: ignore[arg-type]
+    assert judge.gate.refused("QmRed") and not judge.gate.refused("QmMild") and not judge.gate.refused("QmRare")

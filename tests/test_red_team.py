@@ -1,14 +1,17 @@
-"""Red team: a modified unit (tests/red_team.py) joins a swarm of honest units (real processes on 127.0.0.1), and
+"""Red team: a modified unit (bench/red_team.py) joins a swarm of honest units (real processes on 127.0.0.1), and
 the honest units hold."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from swarms import close_leaving_nothing, quick_swarm
+from test_swarm import assert_joined_from_swarm
 
-from bench.red_team import admitted_flags, red_team_cli
+from bench.red_team import FORGED_ROUND, admitted_flags, red_team_cli
 from p2p_diloco.dht import ensure_identity
 from p2p_diloco.events import Eval, LocalReset
 from p2p_diloco.members import MAX_ROUND_LEAD
@@ -52,13 +55,16 @@ def test_round_metadata_out_of_range_is_not_believed(tmp_path: Path, variant: st
         ("payload-noise", "offended"),
         ("pseudo-gradient-flip-x3", "clipped"),
         ("weight-x1000", "weights capped"),
+        ("reducer-x1000", "averages replaced"),
     ],
 )
 def test_one_member_cannot_move_the_honest_units_far(tmp_path: Path, variant: str, defence: str) -> None:
     """Without bounds, a member sending 1000 × its proposal took the honest units' φ to a loss of 10^6 (they reset
-    θ over and over and exported it), one adding N(0, 1) noise to 16.7, a sign-flipped ×3 step to +9%, and a member
-    claiming 1000 × its tokens owned every average. Each honest unit reduces its slice with the bounded mean
-    (robust.py): it logs the red member's part as clipped, capped or dropped, and its loss keeps going down."""
+    θ over and over and exported it), one adding N(0, 1) noise to 16.7, a sign-flipped ×3 step to +9%, a member
+    claiming 1000 × its tokens owned every average, and a reducer returning 1000 × its slice's average moved
+    everyone's φ there. Each honest unit reduces its slice with the bounded mean (robust.py) and checks the averages
+    others return (reducer.py): it logs the red member's part as clipped, capped or dropped, or its averages as
+    replaced, and its loss keeps going down."""
     swarm = quick_swarm(tmp_path)
     try:
         maddr = swarm.bootstrap("bootstrap")
@@ -81,6 +87,39 @@ def test_one_member_cannot_move_the_honest_units_far(tmp_path: Path, variant: st
             losses = [event.eval_loss for event in swarm.events(name, Eval)]
             assert all(loss is not None for loss in losses) and losses[-1] < losses[0], (name, losses)
             assert not swarm.events(name, LocalReset), name
+    finally:
+        close_leaving_nothing(swarm)
+
+
+def test_a_joiner_takes_neither_a_poisoned_state_nor_a_flood_of_donors_nor_forged_records(tmp_path: Path) -> None:
+    """One red unit serves random tensors declared at round 10^6, declares SYBIL_DONORS other identities donors of a
+    fresher state that none serves, and publishes its progress under another peer's id at round FORGED_ROUND.
+    Without the defences a joiner downloaded the garbage (eval 73.5 while the swarm was at 6.2) and jumped the swarm's
+    rounds to 10^6, a donor flood kept every joiner out (exit 2), and ``status`` showed the forged round. Now a late
+    honest unit joins from the honest donors' corroborated state (its first eval is theirs), nobody's round jumps,
+    and no one reads the forged record."""
+    swarm = quick_swarm(tmp_path)
+    try:
+        maddr = swarm.bootstrap("bootstrap")
+        for name in HONEST:
+            swarm.unit(name, [maddr])
+        swarm.unit("red", [maddr], cli=red_team_cli("state-far-ahead", "donor-flood", "record-forgery"))
+        swarm.wait_for(lambda: all(len(swarm.rounds(n)) >= 3 for n in (*HONEST, "red")), timeout_s=180,
+                       what="3 rounds of every unit")  # fmt: skip
+        swarm.unit("late", [maddr])
+        assert_joined_from_swarm(swarm, "late", donors=HONEST)
+        late_log = (tmp_path / "late" / "stdout.log").read_text()
+        assert "not believed" in late_log and "corroborated by" in late_log, swarm.tail("late", 60)
+        swarm.wait_for(lambda: len(swarm.rounds("late")) >= 2, timeout_s=90, what="2 rounds of the late unit")
+        status = subprocess.run(
+            [sys.executable, "-m", "p2p_diloco.cli", "status", "--initial-peers", maddr, "--run-id", swarm.run_id],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert status.returncode == 0 and str(FORGED_ROUND) not in status.stdout, status.stdout + status.stderr
+        for name in (*HONEST, "late"):
+            rounds = swarm.rounds(name)
+            assert rounds[-1].outer_round <= len(rounds) * (MAX_ROUND_LEAD + 1) + 10, (name, rounds[-1])
+        assert swarm.stop([*HONEST, "late"], grace_s=EXIT_GRACE_S) == [0, 0, 0], swarm.tails()
     finally:
         close_leaving_nothing(swarm)
 
