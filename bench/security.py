@@ -19,7 +19,8 @@ from bench.red_team import admitted_flags, red_team_cli
 from bench.scale import _final_phi, pairwise
 from bench.swarm import Swarm
 from p2p_diloco.dht import ensure_identity
-from p2p_diloco.events import Eval, OuterRound, OuterRoundFailed, read_events
+from p2p_diloco.events import ConsensusRound, Eval, InnerStep, OuterRound, OuterRoundFailed, Stop, read_events
+from p2p_diloco.launcher import CLI
 
 RUN_ID = "security"
 UNIT_FLAGS = ("--seq-len", "64", "--batch-size", "4", "--inner-steps", "10", "--join-timeout-s", "60",
@@ -27,14 +28,17 @@ UNIT_FLAGS = ("--seq-len", "64", "--batch-size", "4", "--inner-steps", "10", "--
 NON_MEMBER = "non-member"
 HONEST_ONLY = "honest-only"
 VARIANTS = (HONEST_ONLY, "payload-nan", "payload-x1000", "payload-noise", "pseudo-gradient-flip-x3", "weight-x1000",
-            "gather-garbage", "gather-far-ahead", NON_MEMBER)  # fmt: skip
+            "gather-garbage", "gather-far-ahead", "reducer-x1000", "state-far-ahead", "donor-flood", "record-forgery",
+            NON_MEMBER)  # fmt: skip
 DEFENCES = {  # what a defence's log line says
     "not believed": "not believed",
     "offended": "offended:",
     "refused": "refused ",
     "clipped or capped": "parts dropped",
     "rejected": "moves φ",
+    "averages replaced": "averages replaced",
 }
+COST_FROM_STEP = 50  # start-up excluded from the step times
 EXIT_GRACE_S = 120.0
 
 
@@ -136,6 +140,104 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     axes.axhline(2.0, color="red", linestyle="--", linewidth=1, label="target: within 2%")
     axes.set_ylabel("honest final eval vs honest-only (%)")
     axes.tick_params(axis="x", rotation=30)
+    axes.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def checkout_cli(checkout: Path) -> list[str]:
+    """The CLI of the package in another checkout (e.g. the last commit before the defences), run by this Python."""
+    program = f"import sys; sys.path.insert(0, {str(checkout)!r}); from p2p_diloco import cli; sys.exit(cli.main())"
+    return [CLI[0], "-c", program]
+
+
+def run_cost(root: Path, cli: list[str], honest: int, max_steps: int) -> dict[str, Any]:
+    """``honest`` units of ``cli`` alone (no attacker, fresh identities), ``max_steps`` each, measured by
+    :func:`measure_cost`."""
+    swarm = Swarm(root, run_id=RUN_ID, unit_flags=(*UNIT_FLAGS, "--max-steps", str(max_steps)))
+    names = [f"unit{index}" for index in range(honest)]
+    try:
+        maddr = swarm.bootstrap("bootstrap")
+        for name in names:
+            swarm.unit(name, [maddr], cli=cli)
+        swarm.wait_for(lambda: all(not swarm.running(name) for name in names), timeout_s=1800,
+                       what="the units to finish their steps")  # fmt: skip
+    finally:
+        swarm.close(grace_s=EXIT_GRACE_S)
+    return measure_cost(root, names)
+
+
+def measure_cost(root: Path, names: list[str]) -> dict[str, Any]:
+    """The median over units ``names`` (work dirs under ``root``) of their wall time per inner step after
+    COST_FROM_STEP, and the bytes all of them sent (their p2p daemons' TCP counters at exit) over the rounds of two or
+    more members they merged (fragment, consensus and settle rounds: all of them exchange tensors)."""
+    step_ms, sent, merged, groups = [], 0, 0, []
+    for name in names:
+        metrics = root / name / "metrics.jsonl"
+        steps = [event for event in read_events(metrics, InnerStep) if event.step >= COST_FROM_STEP]
+        if len(steps) >= 2:
+            step_ms.append(1000 * (steps[-1].time - steps[0].time) / (steps[-1].step - steps[0].step))
+        stops = read_events(metrics, Stop)
+        sent += (stops[-1].wire_bytes_sent or 0) if stops else 0
+        rounds = [event for event in read_events(metrics, OuterRound) if event.group_size > 1]
+        groups += [event.group_size for event in rounds]
+        merged += len(rounds) + sum(event.group_size > 1 for event in read_events(metrics, ConsensusRound))
+    return {
+        "step_ms": statistics.median(step_ms) if step_ms else None,
+        "bytes_per_round": sent / merged if merged and sent else None,
+        "mean_group": statistics.fmean(groups) if groups else None,
+        "units": len(step_ms),
+    }
+
+
+def cost_markdown(repeats: list[dict[str, Any]], command: str, environment: str) -> str:
+    """Per repeat: the baseline's and these defences' step time and bytes per round, and their ratios."""
+    lines = ["# What the defences cost without attackers (tiny model, 127.0.0.1)", "", "Reproduce:", "",
+             f"    {command}", "", environment, "",
+             "| repeat | baseline ms/step | defended ms/step | ratio | baseline KiB/merged round | "
+             "defended KiB/merged round | ratio | mean group, baseline / defended |",
+             "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for index, pair in enumerate(repeats):
+        base, ours = pair["baseline"], pair["defended"]
+        lines.append(f"| {index} | {_fmt(base['step_ms'], '.1f')} | {_fmt(ours['step_ms'], '.1f')} | "
+                     f"{_fmt(_over(ours['step_ms'], base['step_ms']), '.3f')} | "
+                     f"{_fmt(_kib(base['bytes_per_round']), '.0f')} | "
+                     f"{_fmt(_kib(ours['bytes_per_round']), '.0f')} | "
+                     f"{_fmt(_over(ours['bytes_per_round'], base['bytes_per_round']), '.3f')} | "
+                     f"{_fmt(base['mean_group'], '.2f')} / {_fmt(ours['mean_group'], '.2f')} |")  # fmt: skip
+    step_ratios = [r for r in (_over(p["defended"]["step_ms"], p["baseline"]["step_ms"]) for p in repeats) if r]
+    byte_ratios = [r for r in (_over(p["defended"]["bytes_per_round"], p["baseline"]["bytes_per_round"])
+                               for p in repeats) if r]  # fmt: skip
+    if step_ratios and byte_ratios:
+        lines += ["", f"Median ratios: step time {statistics.median(step_ratios):.3f}, "
+                      f"bytes per merged round {statistics.median(byte_ratios):.3f}."]  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def _over(value: float | None, base: float | None) -> float | None:
+    return value / base if value is not None and base else None
+
+
+def _kib(value: float | None) -> float | None:
+    return None if value is None else value / 1024
+
+
+def cost_plot(repeats: list[dict[str, Any]], path: Path) -> None:
+    """Step time and bytes per round of the defended run relative to the baseline's, per repeat."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(6, 4))
+    for offset, (key, label) in enumerate((("step_ms", "ms per inner step"), ("bytes_per_round", "bytes per round"))):
+        ratios = [_over(pair["defended"][key], pair["baseline"][key]) or 0.0 for pair in repeats]
+        axes.bar([index * 3 + offset for index in range(len(repeats))], [(r - 1) * 100 for r in ratios], label=label)
+    axes.axhline(3.0, color="red", linestyle="--", linewidth=1, label="step-time target: +3%")
+    axes.axhline(10.0, color="orange", linestyle=":", linewidth=1, label="bytes target: +10%")
+    axes.set_xticks([index * 3 + 0.5 for index in range(len(repeats))], [f"repeat {i}" for i in range(len(repeats))])
+    axes.set_ylabel("defended vs baseline (%)")
     axes.legend()
     figure.tight_layout()
     figure.savefig(path, dpi=120)

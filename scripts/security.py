@@ -5,6 +5,12 @@
 
 Writes security.json, security.md and security.png to --out (the runs' work dirs under --out/runs, deleted unless
 --keep-runs). About 90 s per variant on a 2-core machine.
+
+    git worktree add /tmp/before-defences 064160b
+    .venv/bin/python scripts/security.py --out results/security --cost-baseline /tmp/before-defences
+
+measures instead what the defences cost without attackers: honest units of that checkout (the last commit before
+the defences) and of this one, alternately, --cost-repeats times; writes cost.json, cost.md and cost.png.
 """
 
 from __future__ import annotations
@@ -21,7 +27,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the laboratory, 
 
 import torch  # noqa: E402
 
-from bench.security import VARIANTS, SecuritySpec, markdown, plot, run_variant  # noqa: E402
+from bench.security import (  # noqa: E402
+    VARIANTS,
+    SecuritySpec,
+    checkout_cli,
+    cost_markdown,
+    cost_plot,
+    markdown,
+    plot,
+    run_cost,
+    run_variant,
+)
+from p2p_diloco.launcher import CLI  # noqa: E402
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -31,6 +48,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--honest", type=int, default=3, help="honest units (default 3: 1 modified of 4)")
     parser.add_argument("--max-steps", type=int, default=200, help="inner steps of every honest unit")
     parser.add_argument("--keep-runs", action="store_true", help="keep the units' work dirs under --out/runs")
+    parser.add_argument("--cost-baseline", type=Path, help="a checkout to compare step time and bytes against")
+    parser.add_argument("--cost-repeats", type=int, default=2, help="baseline/defended pairs (with --cost-baseline)")
     return parser
 
 
@@ -40,6 +59,8 @@ def main() -> int:
         print("error: --honest and --max-steps must be at least 1", file=sys.stderr)
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.cost_baseline is not None:
+        return measure_cost(args)
     runs, identities = args.out / "runs", args.out / "runs" / "identities"
     identities.mkdir(parents=True, exist_ok=True)
     results = []
@@ -58,6 +79,32 @@ def main() -> int:
     if not args.keep_runs:
         shutil.rmtree(runs, ignore_errors=True)
     print((args.out / "security.md").read_text())
+    return 0
+
+
+def measure_cost(args: argparse.Namespace) -> int:
+    if not (args.cost_baseline / "p2p_diloco" / "cli.py").is_file() or args.cost_repeats < 1:
+        print("error: --cost-baseline must be a checkout of this project, --cost-repeats at least 1", file=sys.stderr)
+        return 2
+    runs, repeats = args.out / "cost-runs", []
+    for index in range(args.cost_repeats):
+        order = ["baseline", "defended"] if index % 2 == 0 else ["defended", "baseline"]  # cancel machine drift
+        pair = {}
+        for kind in order:
+            cli = checkout_cli(args.cost_baseline) if kind == "baseline" else list(CLI)
+            pair[kind] = run_cost(runs / f"{index}-{kind}", cli, args.honest, args.max_steps)
+            print(f"repeat {index} {kind}: {pair[kind]}", flush=True)
+        repeats.append(pair)
+    command = "python scripts/security.py " + shlex.join(sys.argv[1:])
+    environment = (f"Environment: {platform.platform()}, Python {platform.python_version()}, torch "
+                   f"{torch.__version__}, {args.honest} units of the tiny preset, {args.max_steps} inner steps each; "
+                   f"baseline: {args.cost_baseline}.")  # fmt: skip
+    (args.out / "cost.json").write_text(json.dumps({"command": command, "repeats": repeats}, indent=2))
+    (args.out / "cost.md").write_text(cost_markdown(repeats, command, environment))
+    cost_plot(repeats, args.out / "cost.png")
+    if not args.keep_runs:
+        shutil.rmtree(runs, ignore_errors=True)
+    print((args.out / "cost.md").read_text())
     return 0
 
 
