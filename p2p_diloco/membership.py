@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import base64
 import binascii
+import ctypes
 import hashlib
 import logging
+import multiprocessing
 import re
 import time
 from dataclasses import dataclass
@@ -49,6 +51,7 @@ logger = logging.getLogger(__name__)
 ADMISSION_PREFIX = "p2p-diloco-admission-v1:"
 MISS_REREAD_S = 1.0
 """A caller the gate did not find triggers a new read of the members' records at most this often."""
+REFUSALS_BYTES = 64 * 1024
 _OWNER_RE = re.compile(re.escape(b"[owner:") + rb"(.+?)" + re.escape(b"]"))
 
 
@@ -242,22 +245,53 @@ class RunRecordValidator(RecordValidatorBase):
         return 5  # after RSASignatureValidator (10) strips the signature, before the schema (0)
 
 
+class SharedRefusals:
+    """Peer ids refused by any process of one unit: a shared-memory list, made in the unit's main process before its
+    averager processes fork from it (hivemind's averagers are forked processes), so a member refused by one of the
+    unit's averagers is refused by all of them. Holds about REFUSALS_BYTES / 47 peer ids; beyond that, a refusal holds
+    only in the process that made it (logged)."""
+
+    def __init__(self) -> None:
+        self._shared = multiprocessing.Array(ctypes.c_char, REFUSALS_BYTES)
+        self._local: set[str] = set()
+
+    def add(self, peer_id: str) -> None:
+        self._local.add(peer_id)
+        entry = peer_id.encode() + b"\n"
+        with self._shared.get_lock():
+            listed = self._shared.value
+            if entry in listed:
+                return
+            if len(listed) + len(entry) < REFUSALS_BYTES:
+                self._shared.value = listed + entry
+                return
+        logger.warning("refusal of %s not shared with the unit's other averagers: the list is full", peer_id)
+
+    def __contains__(self, peer_id: str) -> bool:
+        if peer_id in self._local:
+            return True
+        with self._shared.get_lock():
+            return peer_id.encode() + b"\n" in self._shared.value
+
+
 class MemberGate:
     """Answers, inside an averager process, whether a caller (by its authenticated peer id) is a member of the run.
 
     In an open run everyone is. In a private run a member is a peer whose members record (validated by
     :class:`RunRecordValidator`, and checked again here) is in the DHT under ``members_key``. An admission cannot be
     withdrawn, so a member found once stays one; a caller not found triggers a new read at most every MISS_REREAD_S.
+    Refusals (:meth:`refuse`) are shared by every process forked after the gate was made (:class:`SharedRefusals`).
     """
 
     def __init__(self, access: RunAccess, members_key: str) -> None:
         self.access, self.members_key = access, members_key
         self._members: set[str] = set()
-        self._refused: set[str] = set()
+        self._refused = SharedRefusals()
         self._last_read = -float("inf")
 
     def refuse(self, peer_id: str) -> None:
-        """Refuse ``peer_id`` from now on, member or not (a member that kept sending parts out of bounds)."""
+        """Refuse ``peer_id`` from now on, member or not (a member that kept sending parts out of bounds), in every
+        process of this unit."""
         self._refused.add(peer_id)
 
     def refused(self, peer_id: str) -> bool:

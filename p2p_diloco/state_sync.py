@@ -12,9 +12,9 @@ A joiner trusts no single donor (:meth:`StateServer.download`):
   declared (its record is read again when they differ: it may have published a newer state since), then tensor
   count, shapes, dtypes, finite values and sane counters;
 * a state is taken once a second donor's download agrees with it (φ within ``CORROBORATION_TOLERANCE`` of each
-  other, relative to ‖φ‖); donors that disagree are outvoted by the next ones. A state no other download
-  contradicts is taken alone only when it is the only one that could be downloaded. So a joiner downloads twice
-  whenever two donors answer.
+  other, relative to ‖φ‖, and outer momenta of about the same norm); donors that disagree are outvoted by the next
+  ones. A state no other download contradicts is taken alone only when it is the only one that could be downloaded.
+  So a joiner downloads twice whenever two donors answer.
 
 Wire layout of a state: ``[*global_params, *momentum, counters]`` where ``counters`` is a float64 tensor
 ``[format, inner_step, tokens, *fragment_rounds]`` (one outer round per streaming fragment).
@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import math
 import random
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -58,6 +59,9 @@ STATE_FORMAT = 2.0
 STATE_CHUNK_TIMEOUT_S = 30.0
 CORROBORATION_TOLERANCE = 0.05
 """Two downloads agree when ‖φ_a − φ_b‖ ≤ this × ‖φ_a‖ (honest donors rounds apart differ by their outer steps)."""
+MOMENTUM_NORM_RATIO = 4.0
+"""Two downloads agree only when their outer momenta's norms are within this factor of each other: without
+``sync_momentum`` honest units' momenta differ in direction, but not much in size; a scaled one does not pass."""
 DONOR_TTL_S = 300.0
 STREAM_SLACK_BYTES = 1 << 20  # a download may exceed the state's size by this much (serialization overhead)
 
@@ -167,6 +171,7 @@ class StateServer:
         self._peer_id = str(dht.peer_id)
         buffers = [torch.zeros(shape) for shape in self._shapes * 2] + [torch.zeros(3 + fragments, dtype=torch.float64)]
         self._max_bytes = sum(buffer.numel() * buffer.element_size() for buffer in buffers) + STREAM_SLACK_BYTES
+        self._declaring: threading.Thread | None = None
         self._averager = _SnapshotAverager(
             gate=gate if gate is not None else MemberGate.everyone(),
             averaged_tensors=buffers,
@@ -182,10 +187,13 @@ class StateServer:
 
     def publish(self, state: SwarmState) -> None:
         """Make ``state`` the one served to peers (copied) and declare this unit a donor of it; sharing starts with
-        the first publication. Raises ValueError when it has another number of fragment rounds than this server was
-        made for."""
+        the first publication. The copy is made before this returns; its SHA-256 and the donor record are made by a
+        background thread (hashing a SmolLM2 state takes about 1 s), which the next publication waits for. Until that
+        record is out, a joiner that downloads finds the previous record's SHA-256 and moves on to another donor.
+        Raises ValueError when it has another number of fragment rounds than this server was made for."""
         if len(state.fragment_rounds) != self._fragments:
             raise ValueError(f"expected {self._fragments} fragment rounds, got {len(state.fragment_rounds)}")
+        self._wait_for_declaration()
         with self._averager.get_tensors() as buffers:
             for buffer, tensor in zip(buffers, [*state.global_params, *state.momentum]):
                 buffer.copy_(tensor.detach().to(device="cpu", dtype=torch.float32))
@@ -194,10 +202,20 @@ class StateServer:
                     [STATE_FORMAT, state.inner_step, state.tokens, *state.fragment_rounds], dtype=torch.float64
                 )
             )
-            digest = payload_digest(list(buffers))
         self._averager.allow_state_sharing = True
+        rounds = list(state.fragment_rounds)
+        self._declaring = threading.Thread(target=self._declare, args=(rounds,), name="donor-record", daemon=True)
+        self._declaring.start()
+
+    def _declare(self, fragment_rounds: list[int]) -> None:
+        with self._averager.get_tensors() as buffers:  # publish() waits for this thread before it writes them again
+            digest = payload_digest(list(buffers))
         self._donors.publish_donor(DonorRecord(peer_id=self._peer_id, state_key=self._prefix,
-                                               fragment_rounds=list(state.fragment_rounds), digest=digest))  # fmt: skip
+                                               fragment_rounds=fragment_rounds, digest=digest))  # fmt: skip
+
+    def _wait_for_declaration(self) -> None:
+        if self._declaring is not None:
+            self._declaring.join()
 
     def download(self, timeout_s: float) -> SwarmState | None:
         """A state corroborated by two donors (see the module docstring) within about ``timeout_s``, or None (logged)
@@ -216,13 +234,12 @@ class StateServer:
             if state is None:
                 continue
             for earlier, earlier_state in taken:
-                gap = _relative_gap(earlier_state, state)
-                if gap <= CORROBORATION_TOLERANCE:
-                    logger.info("state of %s corroborated by %s (relative distance %.2e)", earlier.peer_id,
-                                donor.peer_id, gap)  # fmt: skip
+                disagreement = _disagreement(earlier_state, state)
+                if disagreement is None:
+                    logger.info("state of %s corroborated by %s (relative distance of φ %.2e)", earlier.peer_id,
+                                donor.peer_id, _relative_gap(earlier_state, state))  # fmt: skip
                     return earlier_state
-                logger.warning("states of %s and %s disagree (relative distance %.2e)", earlier.peer_id,
-                               donor.peer_id, gap)  # fmt: skip
+                logger.warning("states of %s and %s disagree: %s", earlier.peer_id, donor.peer_id, disagreement)
             taken.append((donor, state))
         if len(taken) == 1:
             logger.warning(
@@ -297,10 +314,26 @@ class StateServer:
     def shutdown(self) -> None:
         """Stop serving. The donor record expires by itself; a joiner that still tries us moves on to the next
         donor. (Switching sharing off first would make the averager write to the DHT while it shuts down.)"""
+        self._wait_for_declaration()
         self._averager.shutdown()
+
+
+def _disagreement(first: SwarmState, second: SwarmState) -> str | None:
+    """Why two downloads do not corroborate each other, or None when they do: φ within CORROBORATION_TOLERANCE and
+    outer momenta whose norms are within MOMENTUM_NORM_RATIO of each other (both zero agree)."""
+    gap = _relative_gap(first, second)
+    if gap > CORROBORATION_TOLERANCE:
+        return f"relative distance of φ {gap:.2e}"
+    smaller, larger = sorted((_norm(first.momentum), _norm(second.momentum)))
+    if larger > MOMENTUM_NORM_RATIO * smaller:
+        return f"outer momentum norms {smaller:.3g} and {larger:.3g}"
+    return None
+
+
+def _norm(tensors: Sequence[torch.Tensor]) -> float:
+    return math.sqrt(sum(float(tensor.double().pow(2).sum()) for tensor in tensors))
 
 
 def _relative_gap(first: SwarmState, second: SwarmState) -> float:
     """‖φ_first − φ_second‖ / ‖φ_first‖."""
-    norm = math.sqrt(sum(float(tensor.double().pow(2).sum()) for tensor in first.global_params))
-    return distance(first.global_params, second.global_params) / max(norm, 1e-30)
+    return distance(first.global_params, second.global_params) / max(_norm(first.global_params), 1e-30)

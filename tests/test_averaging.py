@@ -18,7 +18,7 @@ from p2p_diloco.averaging import STUCK_MARGIN_S, TENSOR_LOCK_WAIT_S, OuterAverag
 from p2p_diloco.dht import stop_dht
 from p2p_diloco.gated import MAX_OFFENCES, OFFENCE_WINDOW, GatedAverager
 from p2p_diloco.membership import MemberGate
-from p2p_diloco.reducer import SenderVerdict
+from p2p_diloco.reducer import OFFENCE_RELATIVE, SenderVerdict
 from p2p_diloco.robust import BoundedMean, bounded_mean
 
 
@@ -126,6 +126,17 @@ def test_a_reducer_returning_implausible_averages_is_replaced_then_refused(monke
         finally:
             for averager in averagers:
                 averager.shutdown()
+
+
+def test_a_far_part_is_an_offence_only_when_it_is_far_from_the_median_itself_too() -> None:
+    """A part dropped as far because the others agree closely (its deviation a small fraction of the median's norm)
+    is no offence; one far off the median's own size is, as is an invalid part or one over OFFENCE_RELATIVE."""
+    cases = {(False, True, 0.5): False, (False, True, 3.0): True, (True, False, 0.0): True,
+             (False, False, OFFENCE_RELATIVE + 1): True, (False, False, 1.5): False}  # fmt: skip
+    for (invalid, far, relative), offended in cases.items():
+        verdict = SenderVerdict()
+        verdict.add(invalid, far, clipped=False, capped=False, excess=5.0, relative=relative)
+        assert verdict.offended is offended, (invalid, far, relative)
 
 
 def thousandfold_bounded_mean(*args: Any) -> BoundedMean:

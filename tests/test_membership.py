@@ -4,6 +4,7 @@ credential commands and their bad input."""
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import subprocess
 import sys
 from pathlib import Path
@@ -132,6 +133,25 @@ def test_a_private_run_refuses_the_records_and_calls_of_non_members(run_key: Pat
 def credential_command(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "p2p_diloco.cli", *args], capture_output=True, text=True,
                           timeout=60, stdin=subprocess.DEVNULL)  # fmt: skip
+
+
+def test_a_refusal_made_in_one_forked_process_holds_in_all_of_them() -> None:
+    """A unit's averagers are processes forked from its main process: a member one of them refuses is refused by the
+    main process and by the others (SharedRefusals), and nobody else is."""
+    gate = MemberGate.everyone()
+    context = multiprocessing.get_context("fork")
+    refusing = context.Process(target=gate.refuse, args=("QmRed",))
+    refusing.start()
+    refusing.join(timeout=30)
+    assert refusing.exitcode == 0
+    checking = context.Process(target=_exit_refused, args=(gate, "QmRed"))
+    checking.start()
+    checking.join(timeout=30)
+    assert checking.exitcode == 1 and gate.refused("QmRed") and not gate.refused("QmBlue")
+
+
+def _exit_refused(gate: MemberGate, peer_id: str) -> None:
+    sys.exit(1 if gate.refused(peer_id) else 0)
 
 
 def test_the_credential_commands_make_an_admission_a_member_can_join_with(tmp_path: Path) -> None:

@@ -1,5 +1,6 @@
 """A joiner's download between real DHT nodes and averagers on 127.0.0.1: signed donor records, the declared
-checksum, rounds far ahead not believed, and a state taken only once two donors' downloads agree."""
+checksum, rounds far ahead not believed, and a state taken only once two donors' downloads agree (φ and the size of
+the outer momentum)."""
 
 from __future__ import annotations
 
@@ -20,8 +21,8 @@ SHAPES = [(4, 3), (5,)]
 KEY = "state-test_state"
 
 
-def state(value: float, outer_round: int) -> SwarmState:
-    return SwarmState([torch.full(shape, value) for shape in SHAPES], [torch.zeros(s) for s in SHAPES],
+def state(value: float, outer_round: int, momentum: float = 0.01) -> SwarmState:
+    return SwarmState([torch.full(shape, value) for shape in SHAPES], [torch.full(s, momentum) for s in SHAPES],
                       [outer_round], inner_step=10 * outer_round, tokens=640 * outer_round)  # fmt: skip
 
 
@@ -70,6 +71,17 @@ def test_a_round_far_ahead_of_the_other_donors_is_not_believed(servers, caplog) 
     downloaded = download_until(joiner, found=2)
     assert downloaded is not None and downloaded.fragment_rounds == [7]
     assert "claims outer round 1000000" in caplog.text
+
+
+def test_a_state_whose_momentum_is_scaled_is_not_corroborated_by_one_that_agrees_on_phi(servers, caplog) -> None:
+    honest, other, poisoned, joiner = servers
+    honest.publish(state(0.5, 7))
+    other.publish(state(0.5, 7, momentum=0.012))
+    poisoned.publish(state(0.5, 8, momentum=1000.0))  # fresher, so tried first
+    downloaded = download_until(joiner, found=3)
+    assert downloaded is not None and downloaded.fragment_rounds == [7]
+    assert float(downloaded.momentum[0].abs().max()) < 1
+    assert "outer momentum norms" in caplog.text
 
 
 def test_downloads_that_disagree_one_to_one_give_no_state(servers, caplog) -> None:
