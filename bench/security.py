@@ -104,11 +104,18 @@ def measure(spec: SecuritySpec, root: Path, honest: list[str], exits: dict[str, 
     }
 
 
+def baseline_eval(results: list[dict[str, Any]]) -> float | None:
+    """The reference: the median over the honest-only runs of their honest units' mean final eval."""
+    means = [r["final_eval_mean"] for r in results if r["variant"] == HONEST_ONLY and r["final_eval_mean"] is not None]
+    return statistics.median(means) if means else None
+
+
 def markdown(results: list[dict[str, Any]], command: str, environment: str) -> str:
-    """The table: every variant's honest final eval against the honest-only run's."""
-    baseline = next((r["final_eval_mean"] for r in results if r["variant"] == HONEST_ONLY), None)
+    """The table: every variant's honest final eval against the median of the honest-only runs'."""
+    baseline = baseline_eval(results)
     lines = ["# One modified unit among honest ones (tiny model, 127.0.0.1)", "",
              "Reproduce:", "", f"    {command}", "", environment, "",
+             f"Reference (vs honest-only): the median of the honest-only runs, {_fmt(baseline)}.", "",
              "| variant | honest units' final eval (mean) | vs honest-only | spread | max φ distance | mean group | "
              "failed rounds | defences logged (count) | honest exits |",
              "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
@@ -133,10 +140,13 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    baseline = next((r["final_eval_mean"] for r in results if r["variant"] == HONEST_ONLY), None)
+    baseline = baseline_eval(results)
     shown = [r for r in results if r["final_eval_mean"] is not None and baseline]
     figure, axes = plt.subplots(figsize=(9, 4))
-    axes.bar([r["variant"] for r in shown], [(r["final_eval_mean"] / baseline - 1) * 100 for r in shown])
+    labels = [
+        f"{r['variant']} {index}" if r["variant"] == HONEST_ONLY else r["variant"] for index, r in enumerate(shown)
+    ]
+    axes.bar(labels, [(r["final_eval_mean"] / baseline - 1) * 100 for r in shown])
     axes.axhline(2.0, color="red", linestyle="--", linewidth=1, label="target: within 2%")
     axes.set_ylabel("honest final eval vs honest-only (%)")
     axes.tick_params(axis="x", rotation=30)

@@ -72,8 +72,14 @@ class RoundOutcome:
 
     @property
     def tags_agree(self) -> bool:
-        """True when every member declared the same tag (e.g. averaged the same fragment)."""
-        return len(set(self.member_tags)) <= 1
+        """True when more than half of the members (this unit included) declared this unit's tag (e.g. averaged the
+        same fragment). One member declaring another tag, or garbage, cannot veto a round of the others (it could
+        veto every settle round, so the honest units left as different models: measured); its part was bounded like
+        any other's."""
+        if not self.member_tags:
+            return True
+        own = self.member_tags[min(self.position, len(self.member_tags) - 1)]
+        return 2 * sum(tag == own for tag in self.member_tags) > len(self.member_tags)
 
 
 class Averager(Protocol):

@@ -46,8 +46,9 @@ class GatedAverager(hivemind.DecentralizedAverager):
 
     Its all-reduce reduces each slice with the bounded mean (robust.py, through reducer.py) instead of hivemind's plain
     weighted mean, checks the averaged parts the others return, and refuses, like a non-member, a member that offended
-    (its parts invalid, dropped as far or far out of bounds, or its averages implausible: reducer.py) in MAX_OFFENCES
-    of its last OFFENCE_WINDOW rounds with this averager (each averager process keeps its own count).
+    (its parts invalid or far out of bounds, or its averages implausible: reducer.py) in MAX_OFFENCES of its last
+    OFFENCE_WINDOW rounds with this averager (each averager counts its own; a refusal holds for all of the unit's
+    averagers: membership.py ``SharedRefusals``).
     """
 
     _rpc_handlers = None  # hivemind caches RPC handlers per class: a subclass must collect its own

@@ -32,12 +32,11 @@ logger = logging.getLogger(__name__)
 OFFENCE_RELATIVE = 10.0
 """A part whose deviation from the slice's median is over this × the median's norm, or an averaged part returned
 with an RMS over this × that of the slice sent, counts as an offence (honest proposals differ by a fraction of φ,
-honest pseudo-gradients by about their own size)."""
-FAR_OFFENCE_RELATIVE = 2.0
-"""A part dropped as far counts as an offence when its deviation is also over this × the median's norm. A part can
-be far only because the others agree closely (in a consensus or settle round two members may hold the same φ, so
-the radius is 0): measured on honest members of the security benchmark, far parts deviated by at most 1.2× the
-median's norm; a sign-flipped ×3 step by 1-6×, scaled or noisy parts by 12× or more."""
+honest pseudo-gradients by about their own size). A part dropped as far but within this bound is no offence: it can
+be far only because the others agree closely (two members holding the same φ in a consensus or settle round make the
+radius 0), and refusing on such borderline evidence split the honest units: in the security benchmark, with far
+parts deviating by over 2× the median's norm counted, one honest unit refused a sign-flipping member three rounds
+before the others did, left their groups, and exited as a different model."""
 
 
 @dataclass
@@ -60,9 +59,7 @@ class SenderVerdict:
         self.capped += capped
         self.worst_excess = max(self.worst_excess, excess)
         self.worst_relative = max(self.worst_relative, relative)
-        self.offended = (
-            self.offended or invalid or relative > OFFENCE_RELATIVE or (far and relative > FAR_OFFENCE_RELATIVE)
-        )
+        self.offended = self.offended or invalid or relative > OFFENCE_RELATIVE
 
     def add_implausible_result(self) -> None:
         self.implausible_results += 1

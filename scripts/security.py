@@ -28,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the laboratory, 
 import torch  # noqa: E402
 
 from bench.security import (  # noqa: E402
+    HONEST_ONLY,
     VARIANTS,
     SecuritySpec,
     checkout_cli,
@@ -47,6 +48,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS, help="what to run")
     parser.add_argument("--honest", type=int, default=3, help="honest units (default 3: 1 modified of 4)")
     parser.add_argument("--max-steps", type=int, default=200, help="inner steps of every honest unit")
+    parser.add_argument(
+        "--baseline-repeats", type=int, default=3, help="runs of honest-only (the reference is their median; default 3)"
+    )
     parser.add_argument("--keep-runs", action="store_true", help="keep the units' work dirs under --out/runs")
     parser.add_argument("--cost-baseline", type=Path, help="a checkout to compare step time and bytes against")
     parser.add_argument("--cost-repeats", type=int, default=2, help="baseline/defended pairs (with --cost-baseline)")
@@ -55,8 +59,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def main() -> int:
     args = _parser().parse_args()
-    if args.honest < 1 or args.max_steps < 1:
-        print("error: --honest and --max-steps must be at least 1", file=sys.stderr)
+    if args.honest < 1 or args.max_steps < 1 or args.baseline_repeats < 1:
+        print("error: --honest, --max-steps and --baseline-repeats must be at least 1", file=sys.stderr)
         return 2
     args.out.mkdir(parents=True, exist_ok=True)
     if args.cost_baseline is not None:
@@ -65,10 +69,11 @@ def main() -> int:
     identities.mkdir(parents=True, exist_ok=True)
     results = []
     for variant in args.variants:
-        spec = SecuritySpec(variant, honest=args.honest, max_steps=args.max_steps)
-        result = run_variant(spec, runs / variant, identities)
-        results.append(result)
-        print(f"{variant}: honest final eval {result['final_eval']} defences {result['defences']}", flush=True)
+        for repeat in range(args.baseline_repeats if variant == HONEST_ONLY else 1):
+            spec = SecuritySpec(variant, honest=args.honest, max_steps=args.max_steps)
+            result = run_variant(spec, runs / f"{variant}-{repeat}", identities)
+            results.append(result)
+            print(f"{variant}: honest final eval {result['final_eval']} defences {result['defences']}", flush=True)
     command = "python scripts/security.py " + shlex.join(sys.argv[1:])
     environment = (f"Environment: {platform.platform()}, Python {platform.python_version()}, "
                    f"torch {torch.__version__}, {args.honest} honest units of the tiny preset, "

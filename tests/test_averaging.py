@@ -14,7 +14,7 @@ import torch
 from swarms import record_peers
 
 from p2p_diloco import reducer
-from p2p_diloco.averaging import STUCK_MARGIN_S, TENSOR_LOCK_WAIT_S, OuterAverager
+from p2p_diloco.averaging import STUCK_MARGIN_S, TENSOR_LOCK_WAIT_S, OuterAverager, RoundOutcome
 from p2p_diloco.dht import stop_dht
 from p2p_diloco.gated import MAX_OFFENCES, OFFENCE_WINDOW, GatedAverager
 from p2p_diloco.membership import MemberGate
@@ -128,15 +128,26 @@ def test_a_reducer_returning_implausible_averages_is_replaced_then_refused(monke
                 averager.shutdown()
 
 
-def test_a_far_part_is_an_offence_only_when_it_is_far_from_the_median_itself_too() -> None:
-    """A part dropped as far because the others agree closely (its deviation a small fraction of the median's norm)
-    is no offence; one far off the median's own size is, as is an invalid part or one over OFFENCE_RELATIVE."""
-    cases = {(False, True, 0.5): False, (False, True, 3.0): True, (True, False, 0.0): True,
-             (False, False, OFFENCE_RELATIVE + 1): True, (False, False, 1.5): False}  # fmt: skip
+def test_an_offence_is_an_invalid_part_or_one_over_offence_relative_and_a_far_part_alone_is_not() -> None:
+    """A part dropped as far (e.g. because the others agree closely) is no offence by itself; an invalid part, or one
+    deviating over OFFENCE_RELATIVE × the median's norm, is."""
+    cases = {(False, True, 0.5): False, (False, True, 3.0): False, (True, False, 0.0): True,
+             (False, True, OFFENCE_RELATIVE + 1): True, (False, False, OFFENCE_RELATIVE + 1): True}  # fmt: skip
     for (invalid, far, relative), offended in cases.items():
         verdict = SenderVerdict()
         verdict.add(invalid, far, clipped=False, capped=False, excess=5.0, relative=relative)
         assert verdict.offended is offended, (invalid, far, relative)
+
+
+def test_a_round_is_taken_when_most_members_declared_this_units_tag_so_one_member_cannot_veto_it() -> None:
+    def outcome(tags: tuple[str, ...], position: int = 0) -> RoundOutcome:
+        return RoundOutcome([torch.zeros(1)], len(tags), 0, 1.0, 0.0, 0.0, member_tags=tags, position=position)
+
+    assert outcome(("settle", "settle", "settle", "")).tags_agree
+    assert outcome(("settle", "settle", "x"), position=1).tags_agree
+    assert not outcome(("settle", "x")).tags_agree  # two members: nothing tells which one lies
+    assert not outcome(("x", "settle", "settle")).tags_agree  # this unit is the odd one out
+    assert outcome(("settle",)).tags_agree and outcome(()).tags_agree
 
 
 def thousandfold_bounded_mean(*args: Any) -> BoundedMean:
