@@ -48,7 +48,7 @@ class GatedAverager(hivemind.DecentralizedAverager):
     weighted mean, checks the averaged parts the others return, and refuses, like a non-member, a member that offended
     (its parts invalid or far out of bounds, or its averages implausible: reducer.py) in MAX_OFFENCES of its last
     OFFENCE_WINDOW rounds with this averager (each averager counts its own; a refusal holds for all of the unit's
-    averagers: membership.py ``SharedRefusals``).
+    averagers: membership.py ``SharedPeerSet``; so does a suspicion after one offence, for the settle rounds).
     """
 
     _rpc_handlers = None  # hivemind caches RPC handlers per class: a subclass must collect its own
@@ -140,6 +140,7 @@ class GatedAverager(hivemind.DecentralizedAverager):
                     logger.info("member %s: %s", peer_id, summary)
                 continue
             offences = sum(history)
+            self.gate.suspect(str(peer_id))
             logger.warning("member %s offended: %s (%d offences in its last %d rounds, refused at %d)", peer_id,
                            summary, offences, len(history), MAX_OFFENCES)  # fmt: skip
             if offences >= MAX_OFFENCES and not self.gate.refused(str(peer_id)):

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import copy
 import ctypes
 import hashlib
 import logging
@@ -245,11 +246,11 @@ class RunRecordValidator(RecordValidatorBase):
         return 5  # after RSASignatureValidator (10) strips the signature, before the schema (0)
 
 
-class SharedRefusals:
-    """Peer ids refused by any process of one unit: a shared-memory list, made in the unit's main process before its
+class SharedPeerSet:
+    """Peer ids added by any process of one unit: a shared-memory list, made in the unit's main process before its
     averager processes fork from it (hivemind's averagers are forked processes), so a member refused by one of the
-    unit's averagers is refused by all of them. Holds about REFUSALS_BYTES / 47 peer ids; beyond that, a refusal holds
-    only in the process that made it (logged)."""
+    unit's averagers is refused by all of them. Holds about REFUSALS_BYTES / 47 peer ids; beyond that, an addition
+    holds only in the process that made it (logged)."""
 
     def __init__(self) -> None:
         self._shared = multiprocessing.Array(ctypes.c_char, REFUSALS_BYTES)
@@ -265,7 +266,7 @@ class SharedRefusals:
             if len(listed) + len(entry) < REFUSALS_BYTES:
                 self._shared.value = listed + entry
                 return
-        logger.warning("refusal of %s not shared with the unit's other averagers: the list is full", peer_id)
+        logger.warning("%s not shared with the unit's other averagers: the list is full", peer_id)
 
     def __contains__(self, peer_id: str) -> bool:
         if peer_id in self._local:
@@ -280,14 +281,27 @@ class MemberGate:
     In an open run everyone is. In a private run a member is a peer whose members record (validated by
     :class:`RunRecordValidator`, and checked again here) is in the DHT under ``members_key``. An admission cannot be
     withdrawn, so a member found once stays one; a caller not found triggers a new read at most every MISS_REREAD_S.
-    Refusals (:meth:`refuse`) are shared by every process forked after the gate was made (:class:`SharedRefusals`).
+    Refusals (:meth:`refuse`) and suspicions (:meth:`suspect`) are shared by every process forked after the gate was
+    made (:class:`SharedPeerSet`); the view :meth:`shunning_suspects` also refuses suspects.
     """
 
     def __init__(self, access: RunAccess, members_key: str) -> None:
         self.access, self.members_key = access, members_key
         self._members: set[str] = set()
-        self._refused = SharedRefusals()
+        self._refused, self._suspected = SharedPeerSet(), SharedPeerSet()
+        self._shuns_suspects = False
         self._last_read = -float("inf")
+
+    def suspect(self, peer_id: str) -> None:
+        """Note that ``peer_id`` offended once (not yet refused: see gated.py) in every process of this unit."""
+        self._suspected.add(peer_id)
+
+    def shunning_suspects(self) -> MemberGate:
+        """A view of this gate (same members, refusals and suspicions) that also refuses every suspect: for rounds
+        where one member's part can decide the result, e.g. a unit's settle rounds at exit, often in pairs."""
+        view = copy.copy(self)
+        view._shuns_suspects = True
+        return view
 
     def refuse(self, peer_id: str) -> None:
         """Refuse ``peer_id`` from now on, member or not (a member that kept sending parts out of bounds), in every
@@ -295,7 +309,7 @@ class MemberGate:
         self._refused.add(peer_id)
 
     def refused(self, peer_id: str) -> bool:
-        return peer_id in self._refused
+        return peer_id in self._refused or (self._shuns_suspects and peer_id in self._suspected)
 
     @classmethod
     def everyone(cls) -> MemberGate:
@@ -306,7 +320,7 @@ class MemberGate:
         """Whether ``peer_id`` (a hivemind PeerID) may take part; reads the DHT through ``dht`` when needed.
         A failed read counts as "not found" (the caller retries its request later)."""
         name = peer_id.to_base58()
-        if name in self._refused:
+        if self.refused(name):
             return False
         if not self.access.private:
             return True

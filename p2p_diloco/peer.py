@@ -73,7 +73,7 @@ def run_peer(config: PeerConfig, stop: threading.Event) -> None:
         consensus_averagers = new_averagers(keys.consensus_round, consensus, "fp32")
         state_server = StateServer(dht, keys.state(), trained, records, fragments=len(plan.fragments), gate=gate)
         owned.callback(state_server.shutdown)
-        settle = functools.partial(_settle_averager, dht, plan, gate, keys.settle())
+        settle = functools.partial(_settle_averager, dht, plan, gate.shunning_suspects(), keys.settle())
         network = UnitNetwork(averagers, consensus_averagers, state_server, records, peer_id, settle)
         install_stop_signals()  # starting a hivemind averager turned Ctrl+C off in this process
         metrics = owned.enter_context(MetricsLog(Path(config.run.work_dir) / "metrics.jsonl"))

@@ -137,7 +137,7 @@ def credential_command(*args: str) -> subprocess.CompletedProcess:
 
 def test_a_refusal_made_in_one_forked_process_holds_in_all_of_them() -> None:
     """A unit's averagers are processes forked from its main process: a member one of them refuses is refused by the
-    main process and by the others (SharedRefusals), and nobody else is."""
+    main process and by the others (SharedPeerSet), and nobody else is."""
     gate = MemberGate.everyone()
     context = multiprocessing.get_context("fork")
     refusing = context.Process(target=gate.refuse, args=("QmRed",))
@@ -148,6 +148,17 @@ def test_a_refusal_made_in_one_forked_process_holds_in_all_of_them() -> None:
     checking.start()
     checking.join(timeout=30)
     assert checking.exitcode == 1 and gate.refused("QmRed") and not gate.refused("QmBlue")
+
+
+def test_a_suspect_is_refused_only_by_the_view_that_shuns_suspects() -> None:
+    gate = MemberGate.everyone()
+    shunning = gate.shunning_suspects()
+    suspecting = multiprocessing.get_context("fork").Process(target=gate.suspect, args=("QmOdd",))
+    suspecting.start()
+    suspecting.join(timeout=30)
+    assert shunning.refused("QmOdd") and not gate.refused("QmOdd") and not shunning.refused("QmBlue")
+    gate.refuse("QmRed")
+    assert shunning.refused("QmRed") and gate.refused("QmRed")
 
 
 def _exit_refused(gate: MemberGate, peer_id: str) -> None:
