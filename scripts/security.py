@@ -21,6 +21,7 @@ import platform
 import shlex
 import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the laboratory, bench/, lives in the checkout
@@ -74,17 +75,11 @@ def main() -> int:
             result = run_variant(spec, runs / f"{variant}-{repeat}", identities)
             results.append(result)
             print(f"{variant}: honest final eval {result['final_eval']} defences {result['defences']}", flush=True)
-    command = "python scripts/security.py " + shlex.join(sys.argv[1:])
-    environment = (f"Environment: {platform.platform()}, Python {platform.python_version()}, "
-                   f"torch {torch.__version__}, {args.honest} honest units of the tiny preset, "
-                   f"{args.max_steps} inner steps each.")  # fmt: skip
-    (args.out / "security.json").write_text(json.dumps({"command": command, "results": results}, indent=2))
-    (args.out / "security.md").write_text(markdown(results, command, environment))
-    plot(results, args.out / "security.png")
-    if not args.keep_runs:
-        shutil.rmtree(runs, ignore_errors=True)
-    print((args.out / "security.md").read_text())
-    return 0
+    command, environment = _command(), _environment(f"{args.honest} honest units", args.max_steps)
+    table = markdown(results, command, environment)
+    return _write(
+        args, "security", {"command": command, "results": results}, table, lambda path: plot(results, path), runs
+    )
 
 
 def measure_cost(args: argparse.Namespace) -> int:
@@ -100,16 +95,32 @@ def measure_cost(args: argparse.Namespace) -> int:
             pair[kind] = run_cost(runs / f"{index}-{kind}", cli, args.honest, args.max_steps)
             print(f"repeat {index} {kind}: {pair[kind]}", flush=True)
         repeats.append(pair)
-    command = "python scripts/security.py " + shlex.join(sys.argv[1:])
-    environment = (f"Environment: {platform.platform()}, Python {platform.python_version()}, torch "
-                   f"{torch.__version__}, {args.honest} units of the tiny preset, {args.max_steps} inner steps each; "
-                   f"baseline: {args.cost_baseline}.")  # fmt: skip
-    (args.out / "cost.json").write_text(json.dumps({"command": command, "repeats": repeats}, indent=2))
-    (args.out / "cost.md").write_text(cost_markdown(repeats, command, environment))
-    cost_plot(repeats, args.out / "cost.png")
+    command = _command()
+    environment = _environment(f"{args.honest} units", args.max_steps) + f" Baseline: {args.cost_baseline}."
+    table = cost_markdown(repeats, command, environment)
+    return _write(
+        args, "cost", {"command": command, "repeats": repeats}, table, lambda path: cost_plot(repeats, path), runs
+    )
+
+
+def _command() -> str:
+    return "python scripts/security.py " + shlex.join(sys.argv[1:])
+
+
+def _environment(units: str, max_steps: int) -> str:
+    return (f"Environment: {platform.platform()}, Python {platform.python_version()}, torch {torch.__version__}, "
+            f"{units} of the tiny preset, {max_steps} inner steps each.")  # fmt: skip
+
+
+def _write(args: argparse.Namespace, name: str, record: dict, table: str, draw: Callable[[Path], None],
+           runs: Path) -> int:  # fmt: skip
+    """``name``.json, .md and .png in --out; the runs' work dirs deleted unless --keep-runs."""
+    (args.out / f"{name}.json").write_text(json.dumps(record, indent=2))
+    (args.out / f"{name}.md").write_text(table)
+    draw(args.out / f"{name}.png")
     if not args.keep_runs:
         shutil.rmtree(runs, ignore_errors=True)
-    print((args.out / "cost.md").read_text())
+    print(table)
     return 0
 
 
