@@ -62,7 +62,7 @@ def bare_loop(config: PeerConfig) -> None:
         torch.set_num_threads(config.run.threads)
     loaded = load_model(config.model)
     data = load_text_data(config.data, loaded.tokenizer, shard_seed(config.model.seed, "bare loop"))
-    trainer = InnerTrainer(loaded.model, config.inner, loaded.device)
+    trainer = InnerTrainer(loaded.model, config.inner, loaded.device, loaded.autocast)
     batches = data.train_batches()
     with MetricsLog(Path(config.run.work_dir) / "metrics.jsonl") as metrics:
         for step in range(1, config.run.max_steps + 1):

@@ -411,7 +411,7 @@ def pretrain(budget: Budget, out: Path) -> Pretrained:
     export it to ``out`` (a Hugging Face folder, replaced atomically): a pretrained start for fine-tuning."""
     config = budget.config(out.parent / f".{out.name}-work")
     loaded = load_model(config.model)
-    trainer = InnerTrainer(loaded.model, config.inner, loaded.device)
+    trainer = InnerTrainer(loaded.model, config.inner, loaded.device, loaded.autocast)
     data = unit_data(config, loaded.tokenizer, 0)
     batches, start, tokens, steps = data.train_batches(), trainer.evaluate(data.eval_batches), 0, 0
     while tokens < budget.tokens:

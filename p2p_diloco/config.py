@@ -37,7 +37,19 @@ class ModelSection(_Section):
     )
     tokenizer: str | None = Field(None, description="tokenizer hub name or directory; None: the model's")
     gguf_file: str | None = Field(None, description="load weights from this GGUF file inside --model")
-    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="dtype of the trained weights")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field(
+        "float32",
+        description="dtype the weights are loaded, trained and stored in (AdamW then updates them in this dtype: "
+        "prefer --autocast over float32 weights)",
+    )
+    autocast: Literal["none", "bfloat16", "float16"] = Field(
+        "none",
+        description="run forward and backward in this dtype over float32 master weights (float16 adds a loss scaler)",
+    )
+    gradient_checkpointing: bool = Field(False, description="recompute activations in backward to save memory")
+    attn_implementation: str | None = Field(
+        None, description="attention kernel passed to transformers: eager, sdpa, flash_attention_2, ... (default: its)"
+    )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto picks CUDA when present")
     seed: int = Field(0, description="seed of the initial weights (identical on every peer) and of data order")
 
@@ -45,6 +57,8 @@ class ModelSection(_Section):
     def _one_source(self) -> ModelSection:
         if (self.model is None) == (self.model_config_path is None):
             raise ValueError("give exactly one of --model (pretrained weights) or --model-config (pre-train)")
+        if self.autocast != "none" and self.dtype != "float32":
+            raise ValueError("--autocast needs --dtype float32: the weights it computes from are the master copy")
         return self
 
 

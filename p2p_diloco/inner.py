@@ -1,5 +1,6 @@
 """The inner optimizer of a learning unit: AdamW (or plain SGD) with warm-up and cosine decay, clipping,
-accumulation."""
+accumulation, and mixed precision (autocast over the model's own, normally float32, weights; a loss scaler for
+float16)."""
 
 from __future__ import annotations
 
@@ -39,10 +40,15 @@ def lr_factor(step: int, warmup_steps: int, decay_steps: int, floor: float = 0.1
 
 
 class InnerTrainer:
-    """Trains a causal LM in place; the parameters it trains are ``self.params`` (θ)."""
+    """Trains a causal LM in place; the parameters it trains are ``self.params`` (θ). With ``autocast``, forward and
+    backward (and evals) run in that dtype while the optimizer updates the weights in theirs; float16 scales the loss
+    (torch's GradScaler: a step whose gradients overflow is skipped and the scale lowered)."""
 
-    def __init__(self, model: torch.nn.Module, section: InnerSection, device: torch.device):
-        self.model, self.section, self.device = model, section, device
+    def __init__(
+        self, model: torch.nn.Module, section: InnerSection, device: torch.device, autocast: torch.dtype | None = None
+    ):
+        self.model, self.section, self.device, self.autocast = model, section, device, autocast
+        self.scaler = torch.amp.GradScaler(device.type, enabled=autocast is torch.float16)
         self.params = [param for param in model.parameters() if param.requires_grad]
         self.optimizer: torch.optim.Optimizer
         if section.optimizer == "sgd":
@@ -77,8 +83,9 @@ class InnerTrainer:
         total_loss, tokens = 0.0, 0
         for _ in range(self.section.grad_accum):
             input_ids = next(batches).to(self.device)
-            loss = self.model(input_ids=input_ids, labels=input_ids).loss
-            (loss / self.section.grad_accum).backward()
+            with self._autocast():
+                loss = self.model(input_ids=input_ids, labels=input_ids).loss
+            self.scaler.scale(loss / self.section.grad_accum).backward()
             total_loss += float(loss.detach()) / self.section.grad_accum
             tokens += input_ids.numel()
         sync_seconds = 0.0
@@ -87,12 +94,14 @@ class InnerTrainer:
         else:
             gradients = [_gradient(param) for param in self.params]
             sync_started = time.perf_counter()
-            synchronize_gradients(gradients)
+            synchronize_gradients(gradients)  # still scaled: the scaler then judges the synchronized gradients
             sync_seconds = time.perf_counter() - sync_started
-            update = all_finite(gradients)
+            update = self.scaler.is_enabled() or all_finite(gradients)
         if update:
+            self.scaler.unscale_(self.optimizer)
             torch.nn.utils.clip_grad_norm_(self.params, self.section.grad_clip)
-            self.optimizer.step()
+            self.scaler.step(self.optimizer)  # skipped when the (unscaled) gradients overflowed
+            self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         return StepStats(total_loss, tokens, time.perf_counter() - started, sync_seconds)
@@ -101,11 +110,16 @@ class InnerTrainer:
     def evaluate(self, batches: Sequence[torch.Tensor]) -> float:
         """Mean loss over held-out batches with the current parameters."""
         self.model.eval()
-        losses = [
-            float(self.model(input_ids=batch.to(self.device), labels=batch.to(self.device)).loss) for batch in batches
-        ]
+        with self._autocast():
+            losses = [
+                float(self.model(input_ids=batch.to(self.device), labels=batch.to(self.device)).loss)
+                for batch in batches
+            ]
         self.model.train()
         return sum(losses) / len(losses)
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        return torch.autocast(self.device.type, dtype=self.autocast, enabled=self.autocast is not None)
 
     @contextlib.contextmanager
     def parameters_swapped(self, replacement: Sequence[torch.Tensor]) -> Iterator[None]:
@@ -131,8 +145,16 @@ class InnerTrainer:
         self.optimizer.state.clear()
 
     def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
+        return {
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict(),
+        }
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore a ``state_dict``; one saved without a loss scaler (or before there was one) keeps the fresh
+        scaler."""
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
+        if state.get("scaler"):
+            self.scaler.load_state_dict(state["scaler"])

@@ -59,6 +59,7 @@ class LoadedModel:
     tokenizer: transformers.PreTrainedTokenizerBase
     device: torch.device
     fingerprint: str
+    autocast: torch.dtype | None = None  # the dtype forward and backward run in over the weights, None: theirs
 
 
 def resolve_device(choice: str) -> torch.device:
@@ -98,28 +99,33 @@ def load_model(section: ModelSection) -> LoadedModel:
     without pad/eos token, a tokenizer larger than the model's vocabulary, or an unavailable device.
     """
     device = resolve_device(section.device)
+    options = {"attn_implementation": section.attn_implementation} if section.attn_implementation else {}
     if section.model is not None:
-        model = _pretrained_model(section.model, section.gguf_file)
+        model = _pretrained_model(section.model, section.gguf_file, getattr(torch, section.dtype), options)
         tokenizer_source = section.tokenizer or section.model
         tokenizer_gguf = section.gguf_file if section.tokenizer is None else None
     else:
         assert section.model_config_path is not None  # guaranteed by ModelSection's validator
-        model = _initialised_model(section.model_config_path, section.seed)
+        model = _initialised_model(section.model_config_path, section.seed, options)
         tokenizer_source = section.tokenizer or _config_dir(section.model_config_path)
         tokenizer_gguf = None
     tokenizer = _load_tokenizer(tokenizer_source, tokenizer_gguf)
     _check_vocab(model, tokenizer)
     model = model.to(device=device, dtype=getattr(torch, section.dtype))  # type: ignore[call-arg]  # decorated in transformers
+    if section.gradient_checkpointing:
+        _checkpoint_activations(model)
     model.train()
     fingerprint = model_fingerprint(model, len(tokenizer))
+    autocast = None if section.autocast == "none" else getattr(torch, section.autocast)
     logger.info(
-        "model ready: params=%d dtype=%s device=%s fingerprint=%s",
+        "model ready: params=%d dtype=%s autocast=%s device=%s fingerprint=%s",
         sum(p.numel() for p in model.parameters()),
         section.dtype,
+        section.autocast,
         device,
         fingerprint,
     )
-    return LoadedModel(model=model, tokenizer=tokenizer, device=device, fingerprint=fingerprint)
+    return LoadedModel(model=model, tokenizer=tokenizer, device=device, fingerprint=fingerprint, autocast=autocast)
 
 
 def embedding_indices(model: torch.nn.Module, trained: Sequence[torch.Tensor]) -> frozenset[int]:
@@ -153,18 +159,38 @@ def export_pretrained(
     return save_dir
 
 
-def _pretrained_model(name: str, gguf_file: str | None) -> transformers.PreTrainedModel:
-    """from_pretrained in float32 (cast later), wrapping failures in ModelLoadError."""
-    kwargs = {"gguf_file": gguf_file} if gguf_file else {}
-    return _load("model", name, lambda: AutoModelForCausalLM.from_pretrained(name, dtype=torch.float32, **kwargs))
+def _pretrained_model(
+    name: str, gguf_file: str | None, dtype: torch.dtype, options: dict[str, str]
+) -> transformers.PreTrainedModel:
+    """from_pretrained straight into ``dtype`` (no float32 copy of a half-precision model on the way; transformers
+    before 5 is asked for its low-memory loading, which later releases always do), failures wrapped in
+    ModelLoadError."""
+    kwargs: dict[str, object] = {"gguf_file": gguf_file, **options} if gguf_file else dict(options)
+    return _load(
+        "model",
+        name,
+        lambda: AutoModelForCausalLM.from_pretrained(name, dtype=dtype, low_cpu_mem_usage=True, **kwargs),
+    )
 
 
-def _initialised_model(config_path: str, seed: int) -> transformers.PreTrainedModel:
-    """from_config with weights drawn under ``seed`` (fp32, CPU); the global RNG state is left untouched."""
+def _initialised_model(config_path: str, seed: int, options: dict[str, str]) -> transformers.PreTrainedModel:
+    """from_config with weights drawn under ``seed`` (fp32, CPU: the same weights whatever the dtype and device they
+    are cast to); the global RNG state is left untouched."""
     config = _load("model config", config_path, lambda: AutoConfig.from_pretrained(config_path))
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        return _load("model", config_path, lambda: AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+                                                                                 **options))  # fmt: skip
+
+
+def _checkpoint_activations(model: transformers.PreTrainedModel) -> None:
+    """Turn on activation (gradient) checkpointing; ModelLoadError for a model that has none."""
+    if not model.supports_gradient_checkpointing:
+        raise ModelLoadError(f"{type(model).__name__} does not support --gradient-checkpointing")
+    # transformers 5 renamed it (the old name warns); 4.x has only the old one
+    enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+    enable()
+    model.config.use_cache = False  # a cache is useless in training and incompatible with recomputation
 
 
 def _config_dir(config_path: str) -> str:

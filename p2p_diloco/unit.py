@@ -86,7 +86,7 @@ class LearningUnit:
         metrics: MetricsLog,
     ):
         self.config, self.loaded, self.data, self.network, self.metrics = config, loaded, data, network, metrics
-        self.trainer = InnerTrainer(loaded.model, config.inner, loaded.device)
+        self.trainer = InnerTrainer(loaded.model, config.inner, loaded.device, loaded.autocast)
         self.engine = RoundEngine(plan, network.averagers, network.consensus_averagers, local=self.trainer.params)
         self.inner_step = self.tokens = 0
         self.throughput = Throughput()  # tokens and wall seconds per inner step (the training loop's period)
