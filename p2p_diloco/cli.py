@@ -72,8 +72,11 @@ def _join(args: argparse.Namespace) -> int:
         start_orphan_reaper,
     )
     from p2p_diloco.peer import run_peer
+    from p2p_diloco.ranks import launch_ranks, launched
 
     config = load_config(args)
+    if config.run.nproc_per_node > 1 and not launched():
+        return launch_ranks(config.run.nproc_per_node, config.run.max_restarts, config.model.device, args.argv)
     ensure_fork_start_method()
     start_orphan_reaper()
     run_peer(config, install_stop_signals())
@@ -114,7 +117,9 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     args = _parser().parse_args(argv)
+    args.argv = argv  # the ranks of a unit run the same command
     from p2p_diloco.metrics import configure_logging
 
     try:

@@ -195,6 +195,10 @@ class RunSection(_Section):
     eval_every_rounds: int = Field(1, ge=1, description="evaluate the consensus model every N outer rounds")
     progress: bool = Field(True, description="show console progress bars")
     threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's choice)")
+    nproc_per_node: int = Field(
+        1, ge=1, description="ranks of this unit (data-parallel processes, one device each) started by torch's launcher"
+    )
+    max_restarts: int = Field(3, ge=0, description="with several ranks: restarts of the unit after a rank failed")
 
 
 class PeerConfig(_Section):

@@ -123,6 +123,17 @@ class ModelProbe(Event):
     values: list[float]
 
 
+class ReplicaProbe(Event):
+    """θ at the probe coordinates on one rank of a unit of several, written by every rank after rank 0 shared a new
+    θ (in rank 0's ``metrics.jsonl`` and rank r's ``rank<r>.jsonl``): the ranks' values after the same inner step
+    must be equal."""
+
+    event = "replica_probe"
+    rank: int
+    inner_step: int
+    values: list[float]
+
+
 class Eval(Event):
     """Held-out loss of the unit's φ (the consensus model)."""
 
@@ -143,6 +154,7 @@ class StateDownload(Event):
 class Join(Event):
     event = "join"
     peer_id: str
+    ranks: int = 1  # the processes (data-parallel ranks) the unit trains with
     source: JoinSource
     outer_round: int
     fingerprint: str

@@ -42,12 +42,22 @@ def lr_factor(step: int, warmup_steps: int, decay_steps: int, floor: float = 0.1
 class InnerTrainer:
     """Trains a causal LM in place; the parameters it trains are ``self.params`` (θ). With ``autocast``, forward and
     backward (and evals) run in that dtype while the optimizer updates the weights in theirs; float16 scales the loss
-    (torch's GradScaler: a step whose gradients overflow is skipped and the scale lowered)."""
+    (torch's GradScaler: a step whose gradients overflow is skipped and the scale lowered).
+
+    ``replica``, the model wrapped in DistributedDataParallel, makes the training forward and backward go through it:
+    the gradients are then averaged over the unit's ranks in backward (once per step, at the last micro-batch), and
+    a step is skipped when the *averaged* gradients are non-finite, so that every rank decides alike. Evals use the
+    model itself (no collective)."""
 
     def __init__(
-        self, model: torch.nn.Module, section: InnerSection, device: torch.device, autocast: torch.dtype | None = None
+        self,
+        model: torch.nn.Module,
+        section: InnerSection,
+        device: torch.device,
+        autocast: torch.dtype | None = None,
+        replica: torch.nn.parallel.DistributedDataParallel | None = None,
     ):
-        self.model, self.section, self.device, self.autocast = model, section, device, autocast
+        self.model, self.section, self.device, self.autocast, self.replica = model, section, device, autocast, replica
         self.scaler = torch.amp.GradScaler(device.type, enabled=autocast is torch.float16)
         self.params = [param for param in model.parameters() if param.requires_grad]
         self.optimizer: torch.optim.Optimizer
@@ -81,15 +91,20 @@ class InnerTrainer:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         total_loss, tokens = 0.0, 0
-        for _ in range(self.section.grad_accum):
+        forward = self.replica or self.model
+        for micro_batch in range(self.section.grad_accum):
             input_ids = next(batches).to(self.device)
-            with self._autocast():
-                loss = self.model(input_ids=input_ids, labels=input_ids).loss
-            self.scaler.scale(loss / self.section.grad_accum).backward()
+            last = micro_batch == self.section.grad_accum - 1
+            with self._gradient_sync(last):
+                with self._autocast():
+                    loss = forward(input_ids=input_ids, labels=input_ids).loss
+                self.scaler.scale(loss / self.section.grad_accum).backward()
             total_loss += float(loss.detach()) / self.section.grad_accum
             tokens += input_ids.numel()
         sync_seconds = 0.0
-        if synchronize_gradients is None:
+        if self.replica is not None:  # the gradients were averaged over the ranks
+            update = self.scaler.is_enabled() or all_finite([p.grad for p in self.params if p.grad is not None])
+        elif synchronize_gradients is None:
             update = math.isfinite(total_loss)
         else:
             gradients = [_gradient(param) for param in self.params]
@@ -117,6 +132,10 @@ class InnerTrainer:
             ]
         self.model.train()
         return sum(losses) / len(losses)
+
+    def _gradient_sync(self, last_micro_batch: bool) -> contextlib.AbstractContextManager:
+        """The replica averages gradients in the backward of a step's last micro-batch only."""
+        return contextlib.nullcontext() if self.replica is None or last_micro_batch else self.replica.no_sync()
 
     def _autocast(self) -> contextlib.AbstractContextManager:
         return torch.autocast(self.device.type, dtype=self.autocast, enabled=self.autocast is not None)

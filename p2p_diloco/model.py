@@ -62,13 +62,17 @@ class LoadedModel:
     autocast: torch.dtype | None = None  # the dtype forward and backward run in over the weights, None: theirs
 
 
-def resolve_device(choice: str) -> torch.device:
-    """``auto`` → CUDA when available, else CPU. Raises ModelLoadError for ``cuda`` without CUDA."""
-    if choice == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if choice == "cuda" and not torch.cuda.is_available():
+def resolve_device(choice: str, local_rank: int = 0) -> torch.device:
+    """``auto`` → CUDA when available, else CPU; on CUDA the device of ``local_rank`` (a unit's rank on this host).
+    Raises ModelLoadError for ``cuda`` without CUDA, or a local rank without a CUDA device of its own."""
+    if choice == "cpu" or (choice == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
         raise ModelLoadError("device 'cuda' requested but CUDA is not available (use --device cpu or auto)")
-    return torch.device(choice)
+    if local_rank >= torch.cuda.device_count():
+        raise ModelLoadError(f"local rank {local_rank} has no CUDA device: this host has {torch.cuda.device_count()} "
+                             "(give at most that many --nproc-per-node)")  # fmt: skip
+    return torch.device("cuda", local_rank)
 
 
 def model_fingerprint(model: torch.nn.Module, vocab_size: int) -> str:
@@ -92,13 +96,13 @@ def looks_local(name: str) -> bool:
     return "/" in name and Path(name.split("/", 1)[0]).is_dir()
 
 
-def load_model(section: ModelSection) -> LoadedModel:
+def load_model(section: ModelSection, local_rank: int = 0) -> LoadedModel:
     """Load (``model``) or build (``model_config_path``) the model and its tokenizer, ready to train.
 
     Raises ModelLoadError (one line) for a missing or unloadable model, config or tokenizer, a tokenizer
     without pad/eos token, a tokenizer larger than the model's vocabulary, or an unavailable device.
     """
-    device = resolve_device(section.device)
+    device = resolve_device(section.device, local_rank)
     options = {"attn_implementation": section.attn_implementation} if section.attn_implementation else {}
     if section.model is not None:
         model = _pretrained_model(section.model, section.gguf_file, getattr(torch, section.dtype), options)

@@ -19,11 +19,13 @@ from p2p_diloco.compression import Codec, hivemind_compression
 from p2p_diloco.config import PeerConfig
 from p2p_diloco.data import load_text_data, shard_seed
 from p2p_diloco.dht import peer_identity, start_dht, stop_dht, visible_multiaddrs
+from p2p_diloco.inner import InnerTrainer
 from p2p_diloco.lifecycle import install_stop_signals
 from p2p_diloco.membership import MemberGate, MembershipError, load_run_access
 from p2p_diloco.metrics import MetricsLog
-from p2p_diloco.model import load_model
+from p2p_diloco.model import LoadedModel, load_model
 from p2p_diloco.plan import RoundPlan
+from p2p_diloco.ranks import Ranks, follow, join_ranks, rank_identity, theta_probe
 from p2p_diloco.records import SwarmRecords, members_key, record_validators
 from p2p_diloco.state_sync import StateServer
 from p2p_diloco.unit import JoinError, LearningUnit, UnitNetwork
@@ -41,7 +43,20 @@ def run_peer(config: PeerConfig, stop: threading.Event) -> None:
     """
     if config.run.threads is not None:
         torch.set_num_threads(config.run.threads)
-    loaded = load_model(config.model)
+    ranks = join_ranks(config.model.device)
+    try:
+        loaded = load_model(config.model, ranks.local_rank)
+        ranks.replicate(loaded.model, loaded.device)
+        if ranks.lead:
+            _run_lead(config, loaded, ranks, stop)
+        else:
+            _run_follower(config, loaded, ranks)
+    finally:
+        ranks.close()
+
+
+def _run_lead(config: PeerConfig, loaded: LoadedModel, ranks: Ranks, stop: threading.Event) -> None:
+    """The unit's peer in the swarm (its only process, or rank 0 of several)."""
     trained = [param for param in loaded.model.parameters() if param.requires_grad]
     plan = RoundPlan.for_model(config.outer, loaded.model, trained)
     run_id = config.network.run_id
@@ -65,7 +80,7 @@ def run_peer(config: PeerConfig, stop: threading.Event) -> None:
                 "this model cannot average with the swarm's"
             )
         peer_id = str(dht.peer_id)
-        data = load_text_data(config.data, loaded.tokenizer, shard_seed(config.model.seed, peer_id))
+        data = load_text_data(config.data, loaded.tokenizer, shard_seed(config.model.seed, peer_id))  # rank 0's
         keys = plan.keys(run_id, loaded.fingerprint)
         new_averagers = functools.partial(_averagers, owned, dht, plan, gate)
         averagers = new_averagers(keys.fragment_round, plan.round_templates(trained), plan.codec)
@@ -77,15 +92,35 @@ def run_peer(config: PeerConfig, stop: threading.Event) -> None:
         network = UnitNetwork(averagers, consensus_averagers, state_server, records, peer_id, settle)
         install_stop_signals()  # starting a hivemind averager turned Ctrl+C off in this process
         metrics = owned.enter_context(MetricsLog(Path(config.run.work_dir) / "metrics.jsonl"))
-        unit = LearningUnit(config, plan, loaded, data, network, metrics)
+        unit = LearningUnit(config, plan, loaded, data, network, metrics, ranks)
         source = unit.join()
-        metrics.write(events.Join(peer_id=peer_id, source=source, outer_round=unit.outer_round,
+        metrics.write(events.Join(peer_id=peer_id, source=source, outer_round=unit.outer_round, ranks=ranks.world_size,
                                   fingerprint=loaded.fingerprint, multiaddrs=multiaddrs))  # fmt: skip
-        logger.info("joined run=%s peer_id=%s source=%s outer_round=%d", run_id, peer_id, source, unit.outer_round)
+        logger.info("joined run=%s peer_id=%s source=%s outer_round=%d ranks=%d", run_id, peer_id, source,
+                    unit.outer_round, ranks.world_size)  # fmt: skip
         try:
             unit.run(stop)
         finally:
-            unit.finish()
+            if not ranks.broken:  # else the launcher restarts the unit: no exit rounds with a broken unit
+                unit.finish()
+
+
+def _run_follower(config: PeerConfig, loaded: LoadedModel, ranks: Ranks) -> None:
+    """A rank other than 0: train its replica on its own shard of the data, following rank 0 (ranks.py), until rank 0
+    stops. A stop signal is rank 0's to act on (the launcher forwards it to every rank): this rank goes on until rank
+    0 tells it to stop, or until the launcher kills it."""
+    trainer = InnerTrainer(loaded.model, config.inner, loaded.device, loaded.autocast, ranks.replica)
+    start = ranks.share_start(trainer.params)
+    trainer.load_state_dict(start.inner_state)
+    seed = shard_seed(config.model.seed, rank_identity(start.peer_id, ranks.rank))
+    data = load_text_data(config.data, loaded.tokenizer, seed)
+    with MetricsLog(Path(config.run.work_dir) / f"rank{ranks.rank}.jsonl") as log:
+
+        def probe(inner_step: int) -> None:
+            log.write(events.ReplicaProbe(rank=ranks.rank, inner_step=inner_step, values=theta_probe(trainer.params)))
+
+        probe(start.inner_step)
+        follow(ranks, trainer, data.train_batches(), start.inner_step, probe)
 
 
 def _settle_averager(

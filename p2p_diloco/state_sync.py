@@ -7,7 +7,9 @@ tensors it serves). The bootstrap node serves nothing: state always comes from a
 
 A joiner trusts no single donor (:meth:`StateServer.download`):
 
-* a donor whose round is far ahead of the other donors' is not believed (members.py ``believed_rounds``);
+* a donor whose round is far ahead of the other donors' is not believed (members.py ``believed_rounds``); the
+  donors a download failed from (a dead unit's record outlives it by up to DONOR_TTL_S) then count no more, and the
+  donors believed without them are tried too;
 * the believed donors are tried freshest first, and each download is checked before use: the SHA-256 the donor
   declared (its record is read again when they differ: it may have published a newer state since), then tensor
   count, shapes, dtypes, finite values and sane counters;
@@ -221,16 +223,34 @@ class StateServer:
         """A state corroborated by two donors (see the module docstring) within about ``timeout_s``, or None (logged)
         when there is none yet: no believed donor, no valid download, or downloads that disagree. Never raises for
         network failures."""
-        donors = self._believed_donors()
+        deadline = time.monotonic() + timeout_s
+        unreachable: set[str] = set()
+        taken: list[tuple[DonorRecord, SwarmState]] = []
+        donors = self._believed_donors(unreachable)
         if not donors:
             logger.info("no donor serves the state yet")
             return None
-        deadline = time.monotonic() + timeout_s
-        taken: list[tuple[DonorRecord, SwarmState]] = []
+        tried = {donor.peer_id for donor in donors}
+        state = self._corroborated(donors, deadline, taken, unreachable)
+        if state is None and unreachable:  # e.g. a unit that died and restarted: its record outlives it
+            again = [donor for donor in self._believed_donors(unreachable) if donor.peer_id not in tried]
+            state = self._corroborated(again, deadline, taken, unreachable)
+        if state is None and len(taken) == 1:
+            logger.warning(
+                "state of %s taken uncorroborated: no other donor's could be downloaded", taken[0][0].peer_id
+            )
+            return taken[0][1]
+        return state
+
+    def _corroborated(self, donors: list[DonorRecord], deadline: float, taken: list[tuple[DonorRecord, SwarmState]],
+                      unreachable: set[str]) -> SwarmState | None:  # fmt: skip
+        """Download from ``donors`` in order until two downloads agree (returns the first of them); the downloads
+        that no other one corroborated yet are added to ``taken``, the donors that could not be reached to
+        ``unreachable``."""
         for donor in donors:
             if time.monotonic() >= deadline:
                 break
-            state = self._download_from(donor, max(1.0, deadline - time.monotonic()))
+            state = self._download_from(donor, max(1.0, deadline - time.monotonic()), unreachable)
             if state is None:
                 continue
             for earlier, earlier_state in taken:
@@ -241,18 +261,14 @@ class StateServer:
                     return earlier_state
                 logger.warning("states of %s and %s disagree: %s", earlier.peer_id, donor.peer_id, disagreement)
             taken.append((donor, state))
-        if len(taken) == 1:
-            logger.warning(
-                "state of %s taken uncorroborated: no other donor's could be downloaded", taken[0][0].peer_id
-            )
-            return taken[0][1]
         return None
 
-    def _believed_donors(self) -> list[DonorRecord]:
-        """The other units' donor records whose rounds are believed, freshest first (ties in random order)."""
-        donors = {
-            peer: donor for peer, donor in self._donors.read_donors(self._prefix).items() if peer != self._peer_id
-        }
+    def _believed_donors(self, unreachable: set[str]) -> list[DonorRecord]:
+        """The other units' donor records whose rounds are believed among those of the donors not known to be
+        ``unreachable``, freshest first (ties in random order). A dead unit's record outlives it (DONOR_TTL_S): it
+        no longer holds the live donors' rounds down once a download from it failed."""
+        donors = {peer: donor for peer, donor in self._donors.read_donors(self._prefix).items()
+                  if peer != self._peer_id and peer not in unreachable}  # fmt: skip
         believed = believed_rounds({peer: donor.outer_round for peer, donor in donors.items()})
         for peer in donors.keys() - believed.keys():
             logger.warning("donor %s claims outer round %d, far ahead of the others (not believed)", peer,
@@ -260,11 +276,12 @@ class StateServer:
         order = sorted(believed, key=lambda peer: (believed[peer], random.random()), reverse=True)
         return [donors[peer] for peer in order]
 
-    def _download_from(self, donor: DonorRecord, timeout_s: float) -> SwarmState | None:
+    def _download_from(self, donor: DonorRecord, timeout_s: float, unreachable: set[str]) -> SwarmState | None:
         try:
             tensors = self._averager.fetch_state(donor.peer_id, self._max_bytes, timeout_s)
         except Exception as error:  # a failed download is an expected event in a churning swarm
             logger.warning("state download from %s failed: %s", donor.peer_id, error or type(error).__name__)
+            unreachable.add(donor.peer_id)
             return None
         try:
             digest = payload_digest(list(tensors))

@@ -41,6 +41,7 @@ from p2p_diloco.members import believed_rounds
 from p2p_diloco.metrics import MetricsLog, ProgressBars, Throughput
 from p2p_diloco.model import LoadedModel, export_pretrained
 from p2p_diloco.plan import FINAL_ROUND_SLACK_S, RoundPlan
+from p2p_diloco.ranks import Ranks, StepControl, UnitStart, theta_probe
 from p2p_diloco.records import PeerProgress, PendingProgress, Phase, ProgressRecords, in_phase
 from p2p_diloco.rounds import RoundBegin, RoundEnd, RoundEngine, RoundKind, RoundStatus
 from p2p_diloco.state_sync import StateService, SwarmState
@@ -84,9 +85,12 @@ class LearningUnit:
         data: TextData,
         network: UnitNetwork,
         metrics: MetricsLog,
+        ranks: Ranks | None = None,
     ):
         self.config, self.loaded, self.data, self.network, self.metrics = config, loaded, data, network, metrics
-        self.trainer = InnerTrainer(loaded.model, config.inner, loaded.device, loaded.autocast)
+        self.ranks = ranks or Ranks()  # rank 0 of them, or the unit's only process
+        self.trainer = InnerTrainer(loaded.model, config.inner, loaded.device, loaded.autocast, self.ranks.replica)
+        self._moments_reset = False  # since the last step's control word to the other ranks
         self.engine = RoundEngine(plan, network.averagers, network.consensus_averagers, local=self.trainer.params)
         self.inner_step = self.tokens = 0
         self.throughput = Throughput()  # tokens and wall seconds per inner step (the training loop's period)
@@ -124,6 +128,9 @@ class LearningUnit:
         else:
             source = "initial weights"
         self._publish_state()
+        start = UnitStart(self.network.peer_id, self.inner_step, self.trainer.state_dict())
+        self.ranks.share_start(self.trainer.params, start)
+        self._write_replica_probe()
         return source
 
     def _download(self, swarm_round: int) -> SwarmState:
@@ -167,14 +174,16 @@ class LearningUnit:
         self._write_probe()
         last_progress = 0.0
         census: PendingProgress | None = None  # the live units' progress records, read without waiting
+        theta_changed = False  # since the last control word to the other ranks
         try:
-            while not stop.is_set() and not self._limit_reached(started):
+            while not self._share_step(stop.is_set() or self._limit_reached(started), theta_changed):
                 stats = self.train_step(batches)
                 progress.inner_step(stats.loss, self.throughput.tokens_per_s or 0.0)
-                ended = [end for end in self.poll_round() if end.kind is RoundKind.FRAGMENT]
-                if ended:
-                    progress.outer_round(ended[-1].group_size, self.last_eval)
-                self.maybe_begin_round()
+                ended = self.poll_round()
+                fragments = [end for end in ended if end.kind is RoundKind.FRAGMENT]
+                if fragments:
+                    progress.outer_round(fragments[-1].group_size, self.last_eval)
+                theta_changed = self.maybe_begin_round() or bool(ended)
                 if time.monotonic() - last_progress >= PROGRESS_EVERY_S:
                     self._publish_progress()
                     census = census or self.network.records.read_progress_soon()
@@ -185,6 +194,22 @@ class LearningUnit:
                         self.engine.swarm_size = self._census(live, "training", "finishing")
         finally:
             progress.close()
+
+    def _share_step(self, stopping: bool, theta_changed: bool) -> bool:
+        """Before each step, tell the unit's other ranks whether to stop, and θ when it changed since the last word
+        (ranks.py); returns ``stopping``. Nothing to tell in a unit of one rank. After a failure of rank 0 the other
+        ranks are told nothing: they wait here until rank 0's exit breaks their group."""
+        control = StepControl(stop=stopping, theta_changed=theta_changed, moments_reset=self._moments_reset)
+        self.ranks.share_step(self.trainer.params, control)
+        self._moments_reset = False
+        if theta_changed:
+            self._write_replica_probe()
+        return stopping
+
+    def _write_replica_probe(self) -> None:
+        if self.ranks.world_size > 1:
+            self.metrics.write(events.ReplicaProbe(rank=0, inner_step=self.inner_step,
+                                                   values=theta_probe(self.trainer.params)))  # fmt: skip
 
     def _limit_reached(self, started: float) -> bool:
         """Whether a max_steps, max_time_s (since ``started``, monotonic) or stop_at limit is reached."""
@@ -197,16 +222,17 @@ class LearningUnit:
 
     def train_step(self, batches: Iterator[torch.Tensor]) -> StepStats:
         """One inner step and its bookkeeping (counters, compute, throughput, the round engine's counters)."""
-        stats = self.trainer.train_step(batches)
+        stats = self.ranks.collective(lambda: self.trainer.train_step(batches))  # a DDP step with several ranks
         now = time.monotonic()
         period = stats.seconds if self._last_step_end is None else max(stats.seconds, now - self._last_step_end)
         self._last_step_end = now
+        tokens = stats.tokens * self.ranks.world_size  # every rank trained a batch of the same shape
         self.inner_step += 1
-        self.tokens += stats.tokens
-        self.engine.record_step(stats.tokens, stats.seconds)
-        self.ledger.record_step(stats.seconds, stats.tokens)
+        self.tokens += tokens
+        self.engine.record_step(tokens, stats.seconds)
+        self.ledger.record_step(stats.seconds, tokens)
         self.last_loss = stats.loss
-        self.throughput.add(stats.tokens, period)
+        self.throughput.add(tokens, period)
         if self.inner_step % events.InnerStep.every == 0:
             self.metrics.write(events.InnerStep(step=self.inner_step, loss=stats.loss, seconds=stats.seconds))
         return stats
@@ -228,6 +254,7 @@ class LearningUnit:
     def _began(self, begin: RoundBegin) -> None:
         if begin.status is RoundStatus.RESET:  # the engine put θ back to φ: its moments are meaningless now
             self.trainer.reset_optimizer()
+            self._moments_reset = True
             self.metrics.write(events.LocalReset(outer_round=self.outer_round, inner_step=self.inner_step))
         elif begin.status is RoundStatus.BEGUN and begin.kind is RoundKind.FRAGMENT:
             self.metrics.write(events.OuterRoundBegin(

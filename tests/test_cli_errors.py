@@ -78,8 +78,23 @@ def flags(work_dirs: dict[str, Path], **overrides: str) -> list[str]:
         ({"--inner-steps": "0"}, ["--inner-steps"]),
         ({"--quorum": "9", "--target-group-size": "4"}, ["--quorum"]),
         ({"--run-id": "bad/run"}, ["--run-id"]),
+        ({"--nproc-per-node": "0"}, ["--nproc-per-node"]),
+        ({"--autocast": "bfloat16", "--dtype": "bfloat16"}, ["--autocast"]),
+        ({"--attn-implementation": "no-such-kernel"}, ["no-such-kernel"]),
     ],
-    ids=["model-path", "model-hub-name", "dataset-path", "multiaddr", "outer-lr", "inner-steps", "quorum", "run-id"],
+    ids=[
+        "model-path",
+        "model-hub-name",
+        "dataset-path",
+        "multiaddr",
+        "outer-lr",
+        "inner-steps",
+        "quorum",
+        "run-id",
+        "nproc-per-node",
+        "autocast-dtype",
+        "attention-kernel",
+    ],  # fmt: skip
 )
 def test_bad_input_is_refused_cleanly(work_dirs: dict[str, Path], overrides: dict, fragments: list[str]) -> None:
     assert_user_error(join(*flags(work_dirs, **overrides)), *fragments)

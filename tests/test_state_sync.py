@@ -41,7 +41,7 @@ def servers() -> Iterator[list[StateServer]]:
 def download_until(joiner: StateServer, found: int, timeout_s: float = 30.0) -> SwarmState | None:
     """The joiner's download once it reads ``found`` donor records (their stores are not awaited)."""
     deadline = time.monotonic() + timeout_s
-    while len(joiner._believed_donors()) < found and time.monotonic() < deadline:
+    while len(joiner._believed_donors(unreachable=set())) < found and time.monotonic() < deadline:
         time.sleep(0.2)
     return joiner.download(timeout_s=10.0)
 
@@ -71,6 +71,22 @@ def test_a_round_far_ahead_of_the_other_donors_is_not_believed(servers, caplog) 
     downloaded = download_until(joiner, found=2)
     assert downloaded is not None and downloaded.fragment_rounds == [7]
     assert "claims outer round 1000000" in caplog.text
+
+
+def test_a_dead_donors_record_does_not_hold_the_live_donors_round_down(servers, caplog) -> None:
+    """A unit that died (and restarted under a new peer id) leaves its record behind for DONOR_TTL_S: once a download
+    from it failed, the live donor far ahead of it is believed."""
+    dead, live, _, joiner = servers
+    dead.publish(state(0.2, 1))
+    live.publish(state(0.5, 10))
+    deadline = time.monotonic() + 30.0
+    while len(joiner._donors.read_donors(KEY)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert [donor.fragment_rounds for donor in joiner._believed_donors(unreachable=set())] == [[1]]  # held down
+    dead.shutdown()
+    downloaded = joiner.download(timeout_s=10.0)
+    assert downloaded is not None and downloaded.fragment_rounds == [10]
+    assert "claims outer round 10" in caplog.text and "taken uncorroborated" in caplog.text
 
 
 def test_a_state_whose_momentum_is_scaled_is_not_corroborated_by_one_that_agrees_on_phi(servers, caplog) -> None:
