@@ -52,6 +52,16 @@ class ModelSection(_Section):
     )
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto picks CUDA when present")
     seed: int = Field(0, description="seed of the initial weights (identical on every peer) and of data order")
+    lora_r: int | None = Field(
+        None, ge=1, le=4096, description="train and average LoRA adapters of this rank (peft) instead of the weights"
+    )
+    lora_alpha: int = Field(16, ge=1, description="LoRA scaling numerator (the adapters' output times alpha/r)")
+    lora_dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout on the adapters' input")
+    lora_target_modules: list[str] = Field(
+        default_factory=lambda: ["all-linear"],
+        description="names (or name suffixes) of the modules that get adapters; all-linear: every linear layer but "
+        "the output head",
+    )
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelSection:
@@ -195,6 +205,9 @@ class RunSection(_Section):
     eval_every_rounds: int = Field(1, ge=1, description="evaluate the consensus model every N outer rounds")
     progress: bool = Field(True, description="show console progress bars")
     threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's choice)")
+    export_adapter: bool = Field(
+        False, description="with --lora-r: export the adapter alone (peft's format) instead of the merged model"
+    )
     nproc_per_node: int = Field(
         1, ge=1, description="ranks of this unit (data-parallel processes, one device each) started by torch's launcher"
     )
@@ -210,6 +223,12 @@ class PeerConfig(_Section):
     outer: OuterSection = OuterSection()
     network: NetworkSection = NetworkSection()
     run: RunSection = RunSection()
+
+    @model_validator(mode="after")
+    def _adapter_export(self) -> PeerConfig:
+        if self.run.export_adapter and self.model.lora_r is None:
+            raise ValueError("--export-adapter needs --lora-r: without adapters there is no adapter to export")
+        return self
 
 
 SECTIONS: dict[str, type[_Section]] = {

@@ -155,6 +155,7 @@ class Join(Event):
     event = "join"
     peer_id: str
     ranks: int = 1  # the processes (data-parallel ranks) the unit trains with
+    trained_parameters: int = 0  # the scalars the unit trains and averages (the adapters' alone with LoRA)
     source: JoinSource
     outer_round: int
     fingerprint: str

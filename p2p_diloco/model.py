@@ -31,6 +31,7 @@ import torch
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from p2p_diloco.adapters import adapter_signature, saveable, with_adapters
 from p2p_diloco.config import ModelSection
 from p2p_diloco.errors import UserError, first_line
 
@@ -75,15 +76,19 @@ def resolve_device(choice: str, local_rank: int = 0) -> torch.device:
     return torch.device("cuda", local_rank)
 
 
-def model_fingerprint(model: torch.nn.Module, vocab_size: int) -> str:
-    """16 hex chars of sha256 over the class name, ordered (name, shape) of parameters and the vocab size.
+def model_fingerprint(model: torch.nn.Module, vocab_size: int, adapters: str = "") -> str:
+    """16 hex chars of sha256 over the class name, ordered (name, shape, trained or frozen) of parameters, the vocab
+    size and the adapter signature (adapters.py; empty without adapters).
 
     Independent of dtype, device and values: peers training in bf16 on GPU and fp32 on CPU agree.
     """
     digest = hashlib.sha256(type(model).__name__.encode())
     for name, parameter in model.named_parameters():
-        digest.update(f"{name}:{tuple(parameter.shape)};".encode())
+        frozen = "" if parameter.requires_grad else " frozen"
+        digest.update(f"{name}:{tuple(parameter.shape)}{frozen};".encode())
     digest.update(f"vocab={vocab_size}".encode())
+    if adapters:
+        digest.update(f";{adapters}".encode())
     return digest.hexdigest()[:16]
 
 
@@ -118,12 +123,15 @@ def load_model(section: ModelSection, local_rank: int = 0) -> LoadedModel:
     model = model.to(device=device, dtype=getattr(torch, section.dtype))  # type: ignore[call-arg]  # decorated in transformers
     if section.gradient_checkpointing:
         _checkpoint_activations(model)
+    if section.lora_r is not None:
+        model = with_adapters(model, section)
     model.train()
-    fingerprint = model_fingerprint(model, len(tokenizer))
+    fingerprint = model_fingerprint(model, len(tokenizer), adapter_signature(section))
     autocast = None if section.autocast == "none" else getattr(torch, section.autocast)
     logger.info(
-        "model ready: params=%d dtype=%s autocast=%s device=%s fingerprint=%s",
+        "model ready: params=%d trained=%d dtype=%s autocast=%s device=%s fingerprint=%s",
         sum(p.numel() for p in model.parameters()),
+        sum(p.numel() for p in model.parameters() if p.requires_grad),
         section.dtype,
         section.autocast,
         device,
@@ -141,19 +149,24 @@ def embedding_indices(model: torch.nn.Module, trained: Sequence[torch.Tensor]) -
 
 
 def export_pretrained(
-    model: transformers.PreTrainedModel, tokenizer: transformers.PreTrainedTokenizerBase, save_dir: Path
+    model: transformers.PreTrainedModel,
+    tokenizer: transformers.PreTrainedTokenizerBase,
+    save_dir: Path,
+    adapter_only: bool = False,
 ) -> Path:
     """Write ``save_pretrained`` of the model and tokenizer to ``save_dir``; return ``save_dir``.
 
     The files are written into a temporary sibling folder that replaces ``save_dir`` only once complete:
     on any failure the previous ``save_dir`` (if any) is left untouched, no partial folder remains, and the
-    error propagates. GGUF-loaded models (which refuse ``save_pretrained``) are saved as plain weights.
+    error propagates. GGUF-loaded models (which refuse ``save_pretrained``) are saved as plain weights. A model with
+    LoRA adapters is saved merged (a plain model of the base architecture), or with ``adapter_only`` as its adapter
+    alone (adapters.py).
     """
     save_dir = Path(save_dir)
     save_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{save_dir.name}.tmp-", dir=save_dir.parent))
     try:
-        _serializable(model).save_pretrained(staging)
+        _serializable(saveable(model, adapter_only)).save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         _replace_dir(staging, save_dir)
     except BaseException:

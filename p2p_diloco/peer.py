@@ -95,6 +95,7 @@ def _run_lead(config: PeerConfig, loaded: LoadedModel, ranks: Ranks, stop: threa
         unit = LearningUnit(config, plan, loaded, data, network, metrics, ranks)
         source = unit.join()
         metrics.write(events.Join(peer_id=peer_id, source=source, outer_round=unit.outer_round, ranks=ranks.world_size,
+                                  trained_parameters=sum(param.numel() for param in trained),
                                   fingerprint=loaded.fingerprint, multiaddrs=multiaddrs))  # fmt: skip
         logger.info("joined run=%s peer_id=%s source=%s outer_round=%d ranks=%d", run_id, peer_id, source,
                     unit.outer_round, ranks.world_size)  # fmt: skip

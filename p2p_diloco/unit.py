@@ -405,7 +405,8 @@ class LearningUnit:
         self.save()
         if self.config.run.save_dir is not None:
             with self.trainer.parameters_swapped(self.engine.global_params):
-                export_pretrained(self.loaded.model, self.loaded.tokenizer, Path(self.config.run.save_dir))
+                export_pretrained(self.loaded.model, self.loaded.tokenizer, Path(self.config.run.save_dir),
+                                  adapter_only=self.config.run.export_adapter)  # fmt: skip
             logger.info("exported the consensus model to %s", self.config.run.save_dir)
         self._write_stop()
 

@@ -1,0 +1,124 @@
+"""LoRA adapters (peft) on the embedded tiny GPT-2: only the adapters train, the fingerprint covers their
+configuration, bad target modules are one error line, and both exports load (offline, CPU); and two real units on
+127.0.0.1 that average their adapters alone."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from peft import PeftModel
+from swarms import close_leaving_nothing, quick_swarm
+from transformers import AutoModelForCausalLM
+
+import p2p_diloco
+from p2p_diloco.adapters import AdapterError
+from p2p_diloco.checkpoint import load_checkpoint
+from p2p_diloco.config import ConfigError, InnerSection, ModelSection, load_config
+from p2p_diloco.events import Join, Stop
+from p2p_diloco.inner import InnerTrainer
+from p2p_diloco.model import LoadedModel, export_pretrained, load_model
+
+TINY = Path(p2p_diloco.__file__).parent / "assets" / "tiny-gpt2"
+
+
+def _adapted(**fields: object) -> LoadedModel:
+    section = ModelSection(model_config_path=str(TINY), device="cpu", lora_r=4, **fields)  # type: ignore[arg-type]
+    return load_model(section)
+
+
+def _batches() -> Iterator[torch.Tensor]:
+    batch = torch.randint(0, 500, (2, 16), generator=torch.Generator().manual_seed(0))
+    while True:
+        yield batch
+
+
+def test_only_the_adapters_train_and_the_base_stays_as_it_was() -> None:
+    loaded = _adapted()
+    trained = {name for name, param in loaded.model.named_parameters() if param.requires_grad}
+    assert trained and all(".lora_A." in name or ".lora_B." in name for name in trained)
+    base = {name: param.detach().clone() for name, param in loaded.model.named_parameters() if name not in trained}
+    trainer = InnerTrainer(loaded.model, InnerSection(inner_lr=1e-2, warmup_steps=0), loaded.device)
+    losses = [trainer.train_step(_batches()).loss for _ in range(8)]
+    assert losses[-1] < losses[0]
+    assert all(torch.equal(param, base[name]) for name, param in loaded.model.named_parameters() if name in base)
+    full = sum(param.numel() for param in load_model(ModelSection(model_config_path=str(TINY))).model.parameters())
+    assert sum(param.numel() for param in trainer.params) < full / 50
+
+
+def test_the_fingerprint_covers_the_adapter_configuration() -> None:
+    fingerprints = {
+        _adapted().fingerprint,
+        _adapted(lora_alpha=32).fingerprint,
+        _adapted(lora_target_modules=["c_attn"]).fingerprint,
+        load_model(ModelSection(model_config_path=str(TINY), device="cpu")).fingerprint,
+    }
+    assert len(fingerprints) == 4
+    assert _adapted().fingerprint == _adapted().fingerprint
+
+
+def test_target_modules_the_model_does_not_have_are_one_error_line() -> None:
+    with pytest.raises(AdapterError, match="q_proj") as error:
+        _adapted(lora_target_modules=["q_proj"])
+    assert "c_attn" in str(error.value) and "\n" not in str(error.value)
+
+
+def test_an_adapter_export_needs_adapters() -> None:
+    with pytest.raises(ConfigError, match="--export-adapter needs --lora-r"):
+        load_config(preset="tiny", run__export_adapter=True)
+
+
+def test_the_merged_and_the_adapter_exports_load_and_compute_the_trained_model(tmp_path: Path) -> None:
+    loaded = _adapted()
+    trainer = InnerTrainer(loaded.model, InnerSection(inner_lr=1e-2, warmup_steps=0), loaded.device)
+    for _ in range(3):
+        trainer.train_step(_batches())
+    probe = next(_batches())
+    loaded.model.eval()
+    with torch.no_grad():
+        expected = loaded.model(input_ids=probe).logits
+    merged = AutoModelForCausalLM.from_pretrained(export_pretrained(loaded.model, loaded.tokenizer, tmp_path / "m"))
+    assert not hasattr(merged, "peft_config")
+    adapter_dir = export_pretrained(loaded.model, loaded.tokenizer, tmp_path / "a", adapter_only=True)
+    assert (adapter_dir / "adapter_config.json").exists() and not (adapter_dir / "model.safetensors").exists()
+    base = load_model(ModelSection(model_config_path=str(TINY), device="cpu")).model  # the same seed's base
+    with_adapter = PeftModel.from_pretrained(base, adapter_dir)
+    with torch.no_grad():
+        for model in (merged, with_adapter):
+            model.eval()
+            assert torch.allclose(model(input_ids=probe).logits, expected, atol=1e-4)
+    assert any(".lora_A." in name for name, _ in loaded.model.named_parameters())  # the unit's model is not merged
+
+
+@pytest.mark.swarm
+def test_two_units_average_only_their_adapters_and_export_both_ways(tmp_path: Path) -> None:
+    swarm = quick_swarm(tmp_path)
+    try:
+        maddr = swarm.bootstrap("bootstrap")
+        swarm.unit("merged", [maddr], "--lora-r", "4", "--max-steps", "60")
+        swarm.unit("adapter", [maddr], "--lora-r", "4", "--max-steps", "60", "--export-adapter")
+        swarm.wait_for(lambda: all(not swarm.running(name) for name in ("merged", "adapter")), timeout_s=240,
+                       what="both units to finish their 60 steps")  # fmt: skip
+        assert all(swarm.processes[name].returncode == 0 for name in ("merged", "adapter")), swarm.tails()
+    finally:
+        close_leaving_nothing(swarm)
+    adapters = sum(param.numel() for param in _adapted().model.parameters() if param.requires_grad)
+    full = sum(param.numel() for param in load_model(ModelSection(model_config_path=str(TINY))).model.parameters())
+    for name in ("merged", "adapter"):
+        (join,) = swarm.events(name, Join)
+        assert join.trained_parameters == adapters, join
+        rounds = [event for event in swarm.rounds(name) if event.status == "merged" and event.group_size == 2]
+        assert len(rounds) >= 2, swarm.rounds(name)
+        checkpoint = load_checkpoint(swarm.root / name / "checkpoint.pt")
+        assert checkpoint is not None
+        assert sum(tensor.numel() for tensor in checkpoint["global_params"]) == adapters  # all that is averaged
+        (stop,) = swarm.events(name, Stop)
+        sent_per_round = (stop.wire_bytes_sent or 0) / len(swarm.rounds(name))
+        assert 0 < sent_per_round < 0.25 * full * 4 * 2, sent_per_round  # a full model's φ and momentum: 8 B each
+    merged = AutoModelForCausalLM.from_pretrained(swarm.root / "merged" / "model")
+    assert not hasattr(merged, "peft_config")
+    base = load_model(ModelSection(model_config_path=str(TINY), device="cpu")).model
+    adapted = PeftModel.from_pretrained(base, swarm.root / "adapter" / "model")
+    assert sum(param.numel() for name, param in adapted.named_parameters() if "lora_" in name) == adapters
