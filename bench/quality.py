@@ -316,7 +316,7 @@ def _diloco(method: Method, budget: Budget, work_dir: Path) -> MethodResult:
     swarm = LocalSwarm(method.units, method.alone_p, method.delay_steps, budget.seed, outer_section.codec,
                        outer_section.quorum)  # fmt: skip
     units = [_local_unit(config, member, swarm) for member, config in enumerate(configs)]
-    streams = [unit.data.train_batches() for unit in units]
+    streams = [_data(unit).train_batches() for unit in units]
     steps, points = budget.steps(configs[0], method.units), [_evaluate(units)]
     eval_at = set(_eval_steps(steps, budget.evals))
     try:
@@ -371,15 +371,20 @@ def _evaluate(units: Sequence[LearningUnit]) -> EvalPoint:
     mean = [torch.stack(tensors).mean(dim=0) for tensors in zip(*phis)]
     judge = units[0]
     with judge.trainer.parameters_swapped(mean):
-        loss = judge.trainer.evaluate(judge.data.eval_batches)
+        loss = judge.trainer.evaluate(judge.eval_batches)
     agree = all(torch.equal(a, b) for phi in phis[1:] for a, b in zip(phis[0], phi))
     own = [loss] * len(units) if agree else [_own_loss(judge, phi) for phi in phis]
     return EvalPoint(sum(unit.tokens for unit in units), loss, tuple(own))
 
 
+def _data(unit: LearningUnit) -> TextData:
+    assert unit.data is not None, "the laboratory's units train on their own data"
+    return unit.data
+
+
 def _own_loss(judge: LearningUnit, phi: Sequence[torch.Tensor]) -> float:
     with judge.trainer.parameters_swapped(phi):
-        return judge.trainer.evaluate(judge.data.eval_batches)
+        return judge.trainer.evaluate(judge.eval_batches)
 
 
 def run_comparison(

@@ -214,15 +214,22 @@ class RunSection(_Section):
     max_restarts: int = Field(3, ge=0, description="with several ranks: restarts of the unit after a rank failed")
 
 
-class PeerConfig(_Section):
-    """Full configuration of one learning unit."""
+class SwarmSections(_Section):
+    """What a learning unit needs whoever trains it: its outer rounds, its network and its run (the library API,
+    api.py, trains a model and optimizer of its caller's with these alone)."""
+
+    outer: OuterSection = OuterSection()
+    network: NetworkSection = NetworkSection()
+    run: RunSection = RunSection()
+
+
+class PeerConfig(SwarmSections):
+    """Full configuration of one learning unit of ``p2p-diloco join``: the swarm's sections, and the model, data and
+    inner optimizer it trains."""
 
     model: ModelSection
     data: DataSection
     inner: InnerSection = InnerSection()
-    outer: OuterSection = OuterSection()
-    network: NetworkSection = NetworkSection()
-    run: RunSection = RunSection()
 
     @model_validator(mode="after")
     def _adapter_export(self) -> PeerConfig:
@@ -369,6 +376,22 @@ def _config_error(error: ValidationError) -> ConfigError:
     flag = f" ({_flag(known[-1])})" if known else ""
     message = first["msg"].removeprefix("Value error, ")
     return ConfigError(f"invalid config {location}{flag}: {message}")
+
+
+def swarm_sections(base: SwarmSections | None = None, **settings: Any) -> SwarmSections:
+    """``base`` (default: the defaults) with ``settings`` given by field name (``inner_steps=50``, ``run_id="x"``:
+    each name belongs to one of the [outer], [network] and [run] sections). Raises ConfigError for an unknown name
+    or an invalid value."""
+    sections = (base or SwarmSections()).model_dump()
+    owners = {name: section for section in ("outer", "network", "run") for name in SECTIONS[section].model_fields}
+    for name, value in settings.items():
+        if name not in owners:
+            raise ConfigError(f"unknown setting {name!r}: expected a field of [outer], [network] or [run]")
+        sections[owners[name]][name] = value
+    try:
+        return SwarmSections(**sections)
+    except ValidationError as error:
+        raise _config_error(error) from None
 
 
 def load_network_section(args: argparse.Namespace) -> NetworkSection:

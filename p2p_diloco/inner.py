@@ -67,9 +67,27 @@ class InnerTrainer:
             self.optimizer = torch.optim.AdamW(
                 self.params, lr=section.inner_lr, weight_decay=section.weight_decay, betas=(0.9, 0.95)
             )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+        self.scheduler: torch.optim.lr_scheduler.LRScheduler | None = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda step: lr_factor(step, section.warmup_steps, section.decay_steps)
         )
+
+    @classmethod
+    def around(
+        cls,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+    ) -> InnerTrainer:
+        """A trainer of a caller's own ``model`` and ``optimizer`` (and learning-rate ``scheduler``), which the caller
+        steps itself: the unit only reads and writes θ, evaluates, checkpoints the optimizer's state and resets its
+        moments. Raises ValueError unless the optimizer holds exactly the model's trainable parameters."""
+        device = next(model.parameters()).device
+        trainer = cls(model, InnerSection(optimizer="sgd"), device)  # the optimizer built here is replaced
+        held = {id(param) for group in optimizer.param_groups for param in group["params"]}
+        if held != {id(param) for param in trainer.params}:
+            raise ValueError("the optimizer must hold exactly the model's parameters that require grad")
+        trainer.optimizer, trainer.scheduler = optimizer, scheduler
+        return trainer
 
     def train_step(
         self,
@@ -118,7 +136,8 @@ class InnerTrainer:
             self.scaler.step(self.optimizer)  # skipped when the (unscaled) gradients overflowed
             self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
         return StepStats(total_loss, tokens, time.perf_counter() - started, sync_seconds)
 
     @torch.no_grad()
@@ -166,7 +185,7 @@ class InnerTrainer:
     def state_dict(self) -> dict:
         return {
             "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
+            "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
             "scaler": self.scaler.state_dict(),
         }
 
@@ -174,6 +193,7 @@ class InnerTrainer:
         """Restore a ``state_dict``; one saved without a loss scaler (or before there was one) keeps the fresh
         scaler."""
         self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
+        if self.scheduler is not None and state.get("scheduler") is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
         if state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])

@@ -116,6 +116,12 @@ def start_orphan_reaper(poll_s: float = REAPER_POLL_S) -> subprocess.Popen:
     return reaper
 
 
+def ensure_orphan_reaper() -> None:
+    """:func:`start_orphan_reaper` unless this process already runs one (a library caller may enter several units)."""
+    if _children_pgid is None:
+        start_orphan_reaper()
+
+
 def children_group() -> int | None:
     """The process group of this process's forked children (the watchdog's pid), once the watchdog runs."""
     return _children_pgid

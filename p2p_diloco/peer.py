@@ -6,8 +6,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import signal
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import hivemind
@@ -16,11 +17,10 @@ import torch
 from p2p_diloco import events
 from p2p_diloco.averaging import OuterAverager
 from p2p_diloco.compression import Codec, hivemind_compression
-from p2p_diloco.config import PeerConfig
-from p2p_diloco.data import load_text_data, shard_seed
+from p2p_diloco.config import PeerConfig, SwarmSections
+from p2p_diloco.data import TextData, load_text_data, shard_seed
 from p2p_diloco.dht import peer_identity, start_dht, stop_dht, visible_multiaddrs
 from p2p_diloco.inner import InnerTrainer
-from p2p_diloco.lifecycle import install_stop_signals
 from p2p_diloco.membership import MemberGate, MembershipError, load_run_access
 from p2p_diloco.metrics import MetricsLog
 from p2p_diloco.model import LoadedModel, load_model
@@ -56,7 +56,31 @@ def run_peer(config: PeerConfig, stop: threading.Event) -> None:
 
 
 def _run_lead(config: PeerConfig, loaded: LoadedModel, ranks: Ranks, stop: threading.Event) -> None:
-    """The unit's peer in the swarm (its only process, or rank 0 of several)."""
+    """The unit's peer in the swarm (its only process, or rank 0 of several), training on its data shard."""
+
+    def data(peer_id: str) -> TextData:  # rank 0's shard
+        return load_text_data(config.data, loaded.tokenizer, shard_seed(config.model.seed, peer_id))
+
+    with unit_in_swarm(config, loaded, data, ranks) as unit:
+        unit.run(stop)
+
+
+@contextlib.contextmanager
+def unit_in_swarm(
+    config: SwarmSections,
+    loaded: LoadedModel,
+    data: Callable[[str], TextData | None],
+    ranks: Ranks | None = None,
+    trainer: InnerTrainer | None = None,
+    eval_batches: Sequence[torch.Tensor] = (),
+) -> Iterator[LearningUnit]:
+    """A learning unit of ``loaded`` in the swarm of ``config.network``, joined (its state downloaded, resumed or
+    initial), its data ``data(its peer id)`` (None: its caller trains it); on exit its exit rounds, final eval,
+    checkpoint and export, unless its ranks broke (the launcher then restarts it). ``trainer``, ``eval_batches``: see
+    LearningUnit. Every process it started is stopped on exit, whatever the exit.
+
+    Raises NetworkError, JoinError, MembershipError or CheckpointError (one-line messages)."""
+    ranks = ranks or Ranks()
     trained = [param for param in loaded.model.parameters() if param.requires_grad]
     plan = RoundPlan.for_model(config.outer, loaded.model, trained)
     run_id = config.network.run_id
@@ -66,6 +90,7 @@ def _run_lead(config: PeerConfig, loaded: LoadedModel, ranks: Ranks, stop: threa
     access = load_run_access(run_id, config.network.admission, identity.peer_id)
     validators = record_validators(access, identity.key)
     gate = MemberGate(access, members_key(run_id))
+    interrupt = signal.getsignal(signal.SIGINT)
     with contextlib.ExitStack() as owned:
         dht = start_dht(config.network, identity=identity, record_validators=validators)
         owned.callback(stop_dht, dht)
@@ -80,7 +105,6 @@ def _run_lead(config: PeerConfig, loaded: LoadedModel, ranks: Ranks, stop: threa
                 "this model cannot average with the swarm's"
             )
         peer_id = str(dht.peer_id)
-        data = load_text_data(config.data, loaded.tokenizer, shard_seed(config.model.seed, peer_id))  # rank 0's
         keys = plan.keys(run_id, loaded.fingerprint)
         new_averagers = functools.partial(_averagers, owned, dht, plan, gate)
         averagers = new_averagers(keys.fragment_round, plan.round_templates(trained), plan.codec)
@@ -90,9 +114,9 @@ def _run_lead(config: PeerConfig, loaded: LoadedModel, ranks: Ranks, stop: threa
         owned.callback(state_server.shutdown)
         settle = functools.partial(_settle_averager, dht, plan, gate.shunning_suspects(), keys.settle())
         network = UnitNetwork(averagers, consensus_averagers, state_server, records, peer_id, settle)
-        install_stop_signals()  # starting a hivemind averager turned Ctrl+C off in this process
+        signal.signal(signal.SIGINT, interrupt)  # starting a hivemind averager turned Ctrl+C off in this process
         metrics = owned.enter_context(MetricsLog(Path(config.run.work_dir) / "metrics.jsonl"))
-        unit = LearningUnit(config, plan, loaded, data, network, metrics, ranks)
+        unit = LearningUnit(config, plan, loaded, data(peer_id), network, metrics, ranks, trainer, eval_batches)
         source = unit.join()
         metrics.write(events.Join(peer_id=peer_id, source=source, outer_round=unit.outer_round, ranks=ranks.world_size,
                                   trained_parameters=sum(param.numel() for param in trained),
@@ -100,7 +124,7 @@ def _run_lead(config: PeerConfig, loaded: LoadedModel, ranks: Ranks, stop: threa
         logger.info("joined run=%s peer_id=%s source=%s outer_round=%d ranks=%d", run_id, peer_id, source,
                     unit.outer_round, ranks.world_size)  # fmt: skip
         try:
-            unit.run(stop)
+            yield unit
         finally:
             if not ranks.broken:  # else the launcher restarts the unit: no exit rounds with a broken unit
                 unit.finish()

@@ -32,7 +32,7 @@ from hivemind.utils import get_dht_time
 from p2p_diloco import events
 from p2p_diloco.averaging import Averager
 from p2p_diloco.checkpoint import load_checkpoint, save_checkpoint
-from p2p_diloco.config import PeerConfig
+from p2p_diloco.config import PeerConfig, SwarmSections
 from p2p_diloco.data import TextData
 from p2p_diloco.errors import UserError
 from p2p_diloco.goodput import LEDGER_FILE, GoodputLedger
@@ -79,22 +79,34 @@ class LearningUnit:
 
     def __init__(
         self,
-        config: PeerConfig,
+        config: SwarmSections,
         plan: RoundPlan,
         loaded: LoadedModel,
-        data: TextData,
+        data: TextData | None,
         network: UnitNetwork,
         metrics: MetricsLog,
         ranks: Ranks | None = None,
+        trainer: InnerTrainer | None = None,
+        eval_batches: Sequence[torch.Tensor] = (),
     ):
         self.config, self.loaded, self.data, self.network, self.metrics = config, loaded, data, network, metrics
+        self.eval_batches = list(data.eval_batches if data is not None else eval_batches)  # none: no evals
         self.ranks = ranks or Ranks()  # rank 0 of them, or the unit's only process
-        self.trainer = InnerTrainer(loaded.model, config.inner, loaded.device, loaded.autocast, self.ranks.replica)
+        if trainer is None:  # the CLI's: the [inner] section's optimizer over the loaded model
+            assert isinstance(config, PeerConfig), "a unit without a trainer of its caller's trains by [inner]"
+            trainer = InnerTrainer(loaded.model, config.inner, loaded.device, loaded.autocast, self.ranks.replica)
+        self.trainer = trainer  # θ is its params; the library API's caller steps its optimizer itself
         self._moments_reset = False  # since the last step's control word to the other ranks
         self.engine = RoundEngine(plan, network.averagers, network.consensus_averagers, local=self.trainer.params)
         self.inner_step = self.tokens = 0
         self.throughput = Throughput()  # tokens and wall seconds per inner step (the training loop's period)
         self._last_step_end: float | None = None
+        # the training session (start_training .. stop_training)
+        self._started = time.monotonic()
+        self._progress = ProgressBars(None, enabled=False)
+        self._last_progress = 0.0  # when this unit last published its progress record (monotonic)
+        self._census_read: PendingProgress | None = None  # the live units' progress records, read without waiting
+        self._theta_changed = False  # since the last control word to the other ranks
         self.last_loss = float("nan")
         self.last_group_size = 0
         self.last_eval: float | None = None
@@ -166,34 +178,43 @@ class LearningUnit:
 
     # ----------------------------------------------------------------------------------------- training
     def run(self, stop: threading.Event) -> None:
-        """Train until ``stop`` is set or a max_steps / max_time_s limit is reached."""
-        started = time.monotonic()
-        progress = ProgressBars(self.config.run.max_steps, enabled=self.config.run.progress)
+        """Train on the unit's data until ``stop`` is set or a max_steps / max_time_s limit is reached."""
+        assert self.data is not None, "a unit trains on its own data (the library API's callers train on theirs)"
         batches = self.data.train_batches()
+        self.start_training()
+        try:
+            while not self._share_step(stop.is_set() or self.limit_reached(), self._theta_changed):
+                self.stepped(self.train_step(batches))
+        finally:
+            self.stop_training()
+
+    def start_training(self) -> None:
+        """Before the first inner step: the join eval and probe, the start of the run's limits, the progress bars."""
+        self._started = time.monotonic()
+        self._progress = ProgressBars(self.config.run.max_steps, enabled=self.config.run.progress)
         self._evaluate("join")
         self._write_probe()
-        last_progress = 0.0
-        census: PendingProgress | None = None  # the live units' progress records, read without waiting
-        theta_changed = False  # since the last control word to the other ranks
-        try:
-            while not self._share_step(stop.is_set() or self._limit_reached(started), theta_changed):
-                stats = self.train_step(batches)
-                progress.inner_step(stats.loss, self.throughput.tokens_per_s or 0.0)
-                ended = self.poll_round()
-                fragments = [end for end in ended if end.kind is RoundKind.FRAGMENT]
-                if fragments:
-                    progress.outer_round(fragments[-1].group_size, self.last_eval)
-                theta_changed = self.maybe_begin_round() or bool(ended)
-                if time.monotonic() - last_progress >= PROGRESS_EVERY_S:
-                    self._publish_progress()
-                    census = census or self.network.records.read_progress_soon()
-                    last_progress = time.monotonic()
-                if census is not None and (live := census.poll()) is not None:
-                    census = None
-                    if live:  # an empty or failed read keeps the last census
-                        self.engine.swarm_size = self._census(live, "training", "finishing")
-        finally:
-            progress.close()
+
+    def stop_training(self) -> None:
+        self._progress.close()
+
+    def stepped(self, stats: StepStats) -> None:
+        """After an inner step (its bookkeeping done: :meth:`train_step` or :meth:`record_step`): merge the rounds
+        that ended, begin those that are due, publish progress and read the census now and then."""
+        self._progress.inner_step(stats.loss, self.throughput.tokens_per_s or 0.0)
+        ended = self.poll_round()
+        fragments = [end for end in ended if end.kind is RoundKind.FRAGMENT]
+        if fragments:
+            self._progress.outer_round(fragments[-1].group_size, self.last_eval)
+        self._theta_changed = self.maybe_begin_round() or bool(ended)
+        if time.monotonic() - self._last_progress >= PROGRESS_EVERY_S:
+            self._publish_progress()
+            self._census_read = self._census_read or self.network.records.read_progress_soon()
+            self._last_progress = time.monotonic()
+        if self._census_read is not None and (live := self._census_read.poll()) is not None:
+            self._census_read = None
+            if live:  # an empty or failed read keeps the last census
+                self.engine.swarm_size = self._census(live, "training", "finishing")
 
     def _share_step(self, stopping: bool, theta_changed: bool) -> bool:
         """Before each step, tell the unit's other ranks whether to stop, and θ when it changed since the last word
@@ -211,18 +232,21 @@ class LearningUnit:
             self.metrics.write(events.ReplicaProbe(rank=0, inner_step=self.inner_step,
                                                    values=theta_probe(self.trainer.params)))  # fmt: skip
 
-    def _limit_reached(self, started: float) -> bool:
-        """Whether a max_steps, max_time_s (since ``started``, monotonic) or stop_at limit is reached."""
+    def limit_reached(self) -> bool:
+        """Whether a max_steps, max_time_s (since :meth:`start_training`) or stop_at limit is reached."""
         run = self.config.run
         return (
             (run.max_steps is not None and self.inner_step >= run.max_steps)
-            or (run.max_time_s is not None and time.monotonic() - started >= run.max_time_s)
+            or (run.max_time_s is not None and time.monotonic() - self._started >= run.max_time_s)
             or (run.stop_at is not None and time.time() >= run.stop_at)
         )
 
     def train_step(self, batches: Iterator[torch.Tensor]) -> StepStats:
-        """One inner step and its bookkeeping (counters, compute, throughput, the round engine's counters)."""
-        stats = self.ranks.collective(lambda: self.trainer.train_step(batches))  # a DDP step with several ranks
+        """One inner step of the unit's trainer and its bookkeeping (:meth:`record_step`)."""
+        return self.record_step(self.ranks.collective(lambda: self.trainer.train_step(batches)))  # DDP: collective
+
+    def record_step(self, stats: StepStats) -> StepStats:
+        """The bookkeeping of an inner step: counters, compute, throughput, the round engine's counters."""
         now = time.monotonic()
         period = stats.seconds if self._last_step_end is None else max(stats.seconds, now - self._last_step_end)
         self._last_step_end = now
@@ -309,8 +333,10 @@ class LearningUnit:
         """Evaluate φ on the held-out batches. Its time is left out of the training loop's period (the step time that
         sizes matchmaking windows and clock periods): an eval is no inner step."""
         started = time.monotonic()
+        if not self.eval_batches:
+            return
         with self.trainer.parameters_swapped(self.engine.global_params):
-            self.last_eval = self.trainer.evaluate(self.data.eval_batches)
+            self.last_eval = self.trainer.evaluate(self.eval_batches)
         if self._last_step_end is not None:
             self._last_step_end += time.monotonic() - started
         self.metrics.write(events.Eval(reason=reason, outer_round=self.outer_round, eval_loss=self.last_eval))

@@ -1,0 +1,64 @@
+"""The library API: the settings it takes, the optimizer it wraps, and the README's example (examples/train_loop.py)
+training and averaging between two real processes on 127.0.0.1."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from swarms import close_leaving_nothing, quick_swarm
+from transformers import AutoModelForCausalLM
+
+from p2p_diloco.config import ConfigError, SwarmSections, swarm_sections
+from p2p_diloco.events import Eval, Join
+from p2p_diloco.inner import InnerTrainer
+from p2p_diloco.launcher import spawn
+
+EXAMPLE = Path(__file__).parent.parent / "examples" / "train_loop.py"
+
+
+def test_settings_are_the_swarm_fields_by_name() -> None:
+    sections = swarm_sections(inner_steps=7, run_id="lib", max_steps=3)
+    assert (sections.outer.inner_steps, sections.network.run_id, sections.run.max_steps) == (7, "lib", 3)
+    assert swarm_sections(sections, quorum=2).outer.inner_steps == 7
+    assert swarm_sections() == SwarmSections()
+    with pytest.raises(ConfigError, match="unknown setting 'inner_lr'"):
+        swarm_sections(inner_lr=1e-3)  # the caller's optimizer has its own
+    with pytest.raises(ConfigError, match="--inner-steps"):
+        swarm_sections(inner_steps=0)
+
+
+def test_the_optimizer_must_hold_exactly_the_trainable_parameters() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.Linear(3, 1))
+    trainer = InnerTrainer.around(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    assert len(trainer.params) == 4 and trainer.scheduler is None
+    with pytest.raises(ValueError, match="exactly the model's parameters"):
+        InnerTrainer.around(model, torch.optim.SGD(model[0].parameters(), lr=0.1))
+
+
+@pytest.mark.swarm
+def test_the_example_training_loop_trains_and_averages_between_two_processes(tmp_path: Path) -> None:
+    swarm = quick_swarm(tmp_path)
+    try:
+        maddr = swarm.bootstrap("bootstrap")
+        for index, name in enumerate(("a", "b")):
+            work_dir = tmp_path / name
+            work_dir.mkdir()
+            command = [sys.executable, str(EXAMPLE), "--initial-peers", maddr, "--run-id", swarm.run_id,
+                       "--work-dir", str(work_dir), "--steps", "60", "--data-seed", str(index)]  # fmt: skip
+            swarm.processes[name] = spawn(command, work_dir / "stdout.log")
+        swarm.wait_for(lambda: all(not swarm.running(name) for name in ("a", "b")), timeout_s=240,
+                       what="both example loops to finish their 60 steps")  # fmt: skip
+        assert all(swarm.processes[name].returncode == 0 for name in ("a", "b")), swarm.tails()
+    finally:
+        close_leaving_nothing(swarm)
+    for name in ("a", "b"):
+        (join,) = swarm.events(name, Join)
+        assert join.trained_parameters > 0
+        merged = [event for event in swarm.rounds(name) if event.status == "merged" and event.group_size == 2]
+        assert len(merged) >= 2, swarm.rounds(name)
+        evals = [event.eval_loss for event in swarm.events(name, Eval) if event.eval_loss is not None]
+        assert evals[-1] < evals[0] - 0.5, evals
+        AutoModelForCausalLM.from_pretrained(tmp_path / name / "model")
