@@ -177,6 +177,7 @@ class Stop(Event):
     goodput: float
     wire_bytes_sent: int | None
     wire_bytes_received: int | None
+    peak_device_bytes: int | None = None  # CUDA: the most memory torch allocated on the unit's device; else None
 
 
 def read_events(path: Path, *kinds: type[E]) -> list[E]:

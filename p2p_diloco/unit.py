@@ -469,7 +469,12 @@ class LearningUnit:
             inner_step=self.inner_step, outer_round=self.outer_round, tokens=self.tokens, eval_loss=self.last_eval,
             compute_s=ledger.compute_s, useful_compute_s=ledger.useful_compute_s, useful_tokens=ledger.useful_tokens,
             allocated_s=ledger.allocated_s(now), goodput=ledger.goodput(now), **self._wire_fields(),
+            peak_device_bytes=self._peak_device_bytes(),
         ))  # fmt: skip
+
+    def _peak_device_bytes(self) -> int | None:
+        device = self.loaded.device
+        return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
 
     def _wire_fields(self) -> dict[str, int | None]:
         """Cumulative bytes this unit's p2p daemon sent and received over TCP (None: not measurable here)."""
