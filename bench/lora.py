@@ -28,7 +28,7 @@ METHODS: dict[str, list[str]] = {
     "LoRA r=8 (all linear layers)": ["--lora-r", "8", "--lora-alpha", "16", "--inner-lr", "2e-3"],
 }
 SHARED_FLAGS = ["--seq-len", "64", "--batch-size", "4", "--inner-steps", "10", "--warmup-steps", "10",
-                "--eval-every-rounds", "2", "--threads", "1"]  # fmt: skip
+                "--eval-every-rounds", "5", "--threads", "1"]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,10 @@ def run_method(out: Path, method: str, base: Path, units: int, steps: int) -> Me
     evals = {name: [event.eval_loss for event in swarm.events(name, Eval) if event.eval_loss is not None]
              for name in names}  # fmt: skip
     stops = {name: swarm.events(name, Stop)[-1] for name in names}
-    merged = {name: sum(1 for event in swarm.rounds(name) if event.status == "merged") for name in names}
+    merged = {
+        name: sum(1 for event in swarm.rounds(name) if event.status == "merged" and event.group_size > 1)
+        for name in names
+    }
     return MethodResult(
         method=method,
         flags=METHODS[method],
@@ -126,7 +129,10 @@ def _plot(results: list[MethodResult], path: Path) -> None:
 
     figure, (losses, sent) = plt.subplots(1, 2, figsize=(10, 4))
     names = [result.method for result in results]
-    losses.bar(names, [statistics.median(result.final_losses) for result in results])
+    finals = [statistics.median(result.final_losses) for result in results]
+    losses.bar(names, finals)
+    shown = finals + ([results[0].base_loss] if results[0].base_loss is not None else [])
+    losses.set_ylim(min(shown) - 0.2, max(shown) + 0.1)
     if results[0].base_loss is not None:
         losses.axhline(results[0].base_loss, color="gray", linestyle="--", label="base")
         losses.legend()

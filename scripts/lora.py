@@ -3,8 +3,8 @@
 
     .venv/bin/python scripts/lora.py --out results/lora
 
-Writes lora.json, lora.md and lora.png to --out (the units' work dirs under --out/<method>). About 3 minutes on a
-2-core machine.
+Writes lora.json, lora.md and lora.png to --out (the base and the units' work dirs go under --out/runs, deleted unless
+--keep-runs). About 5 minutes on a 2-core machine.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--units", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=100, help="inner steps of each unit")
+    parser.add_argument("--steps", type=int, default=600, help="inner steps of each unit")
     parser.add_argument("--base-steps", type=int, default=300, help="pre-training steps of the base")
     parser.add_argument("--keep-runs", action="store_true", help="keep the units' work dirs")
     args = parser.parse_args()
