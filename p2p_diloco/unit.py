@@ -2,6 +2,10 @@
 (streaming fragments, payloads, merges, consensus rounds and what failures do) are the round engine's (rounds.py);
 the unit does the I/O that the engine's results call for.
 
+Who steps θ: the unit's own trainer on its own data (:meth:`LearningUnit.run`, ``p2p-diloco join``; with several
+ranks, rank 0's unit tells the others what each step did, ranks.py), or the library API's caller, who steps its own
+optimizer and calls :meth:`LearningUnit.record_step` and :meth:`LearningUnit.stepped` after each step (api.py).
+
 I/O that costs (saving the goodput ledger, publishing the state served to joiners, refreshing the DHT fingerprint,
 reading the socket byte counters, evals and checkpoints) runs when the unit's outer round advances, i.e. once per
 period whatever the number of fragments, not at every fragment merge: a joiner may download a state up to one period
@@ -196,6 +200,7 @@ class LearningUnit:
         self._write_probe()
 
     def stop_training(self) -> None:
+        """After the last inner step (before :meth:`finish`): the progress bars close."""
         self._progress.close()
 
     def stepped(self, stats: StepStats) -> None:
