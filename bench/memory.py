@@ -248,12 +248,24 @@ def measure_model(name: str, spec: ModelSpec, variants: dict[str, tuple[str, ...
         facts = setup(flags)
         record = run_record([*CLI, "join", *flags], work_dir, facts.trained, cpu_or(facts.cuda, None))
         record["excess_bytes_per_param"] = (record["peak_pss"] - bare["peak_pss"]) / facts.trained
-        copies = inventory(facts.plan, facts.weight_bytes)
-        units[variant] = {"flags": " ".join(extra), "run": record, "inventory": as_json(copies),
-                          "predicted": predicted(copies)}  # fmt: skip
+        units[variant] = {"flags": " ".join(extra), "run": record, **unit_inventory(facts)}
         print(f"{name} {variant}: {record['bytes_per_param']:.1f} B/param", flush=True)
     return {"flags": " ".join(spec.flags), "steps": steps, "trained_parameters": base.trained,
             "weight_bytes": base.weight_bytes, "bare": bare, "units": units}  # fmt: skip
+
+
+def unit_inventory(facts: Setup) -> dict[str, Any]:
+    """The inventory of a unit's copies (bench/memory_inventory.py) and what it predicts."""
+    copies = inventory(facts.plan, facts.weight_bytes)
+    return {"inventory": as_json(copies), "predicted": predicted(copies)}
+
+
+def refreshed(report: dict[str, Any]) -> dict[str, Any]:
+    """``report`` with every unit's inventory made again by this code from the unit's command line."""
+    for result in report["models"].values():
+        for unit in result["units"].values():
+            unit.update(unit_inventory(setup(unit["run"]["command"].split(" join ", 1)[1].split())))
+    return report
 
 
 def imported_package() -> str:

@@ -33,7 +33,8 @@ def _mib(value: float) -> str:
 
 
 def _run_row(model: str, trained: int, name: str, flags: str, run: dict[str, Any], excess: str, guess: str) -> str:
-    cells = [model, f"{trained / 1e6:.2f} M", name, f"`{flags}`" if flags else "", _mib(run["peak_pss"]),
+    steps = "" if run["inner_steps"] is None else str(run["inner_steps"])
+    cells = [model, f"{trained / 1e6:.2f} M", name, f"`{flags}`" if flags else "", steps, _mib(run["peak_pss"]),
              f"{run['bytes_per_param']:.1f}", excess, guess, _mib(run["main_uss_peak"]), _mib(run["main_rss_hwm"]),
              str(run["max_processes"]), str(run["rounds"]), "yes" if run["checkpoint"] else "no",
              run["device"].get("note", str(run["device"]))]  # fmt: skip
@@ -43,9 +44,9 @@ def _run_row(model: str, trained: int, name: str, flags: str, run: dict[str, Any
 def runs_table(report: dict[str, Any]) -> list[str]:
     """One row per run: peak tree PSS, per parameter, the unit's excess over the bare loop and the inventory's."""
     lines = [
-        "| model | trained params | run | flags | peak PSS MiB | B/param | excess over bare B/param "
+        "| model | trained params | run | flags | inner steps | peak PSS MiB | B/param | excess over bare B/param "
         "| predicted excess B/param | main USS peak MiB | main VmHWM MiB | processes | rounds | checkpoint | device |",
-        "|---" * 14 + "|",
+        "|---" * 15 + "|",
     ]
     for model, result in report["models"].items():
         trained = result["trained_parameters"]
@@ -55,6 +56,11 @@ def runs_table(report: dict[str, Any]) -> list[str]:
             lines.append(_run_row(model, trained, variant, unit["flags"], unit["run"],
                                   f"{unit['run']['excess_bytes_per_param']:+.1f}",
                                   f"{guess['peak_low']:.0f}–{guess['peak_high']:.0f}"))  # fmt: skip
+    short = [f"{model} {name}" for model, result in report["models"].items() for name, unit in result["units"].items()
+             if (unit["run"]["inner_steps"] or 0) < result["steps"]]  # fmt: skip
+    if short:
+        lines += ["", f"Fewer inner steps than --max-steps {', '.join(short)}: stopped by SIGTERM, they left cleanly "
+                  "(final rounds, settle, checkpoint)."]  # fmt: skip
     return lines
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the laboratory, bench/, lives in the checkout
 
-from bench.memory import SMOLLM2_DIR, VARIANTS, measure, models  # noqa: E402
+from bench.memory import SMOLLM2_DIR, VARIANTS, measure, models, refreshed  # noqa: E402
 from bench.memory_report import markdown, plot, summary  # noqa: E402
 
 
@@ -26,7 +26,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--models", nargs="+", default=list(models()), choices=list(models()), help="models to run")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS, help="unit settings")
     parser.add_argument("--steps", type=int, help="inner steps of every run (default: each model's own)")
-    parser.add_argument("--render", action="store_true", help="only write memory.md and memory.png from memory.json")
+    parser.add_argument(
+        "--render", action="store_true", help="only redo the inventory, memory.md and memory.png from memory.json"
+    )
     parser.add_argument("--smollm2-dir", type=Path, default=SMOLLM2_DIR, help=f"(default {SMOLLM2_DIR})")
     return parser
 
@@ -41,7 +43,9 @@ def _render(report: dict, out: Path) -> None:
 def main() -> int:
     args = _parser().parse_args()
     if args.render:
-        _render(json.loads((args.out / "memory.json").read_text()), args.out)
+        report = refreshed(json.loads((args.out / "memory.json").read_text()))
+        (args.out / "memory.json").write_text(json.dumps(report, indent=1) + "\n")
+        _render(report, args.out)
         return 0
     command = [Path(sys.executable).name, *sys.argv]
     chosen = {name: spec for name, spec in models(args.smollm2_dir).items() if name in args.models}

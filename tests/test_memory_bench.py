@@ -10,7 +10,7 @@ import psutil
 import pytest
 
 from bench.memory import TreeWatch, stop_leftovers
-from bench.memory_inventory import as_json, forked_children, inventory, predicted
+from bench.memory_inventory import as_json, forked_children, inherited_heap, inventory, predicted
 from bench.memory_report import markdown
 from bench.process_memory import ProcessSample, sample_tree
 from p2p_diloco.config import OuterSection
@@ -56,13 +56,14 @@ def test_stop_leftovers_kills_what_outlived_its_run() -> None:
 def test_inventory_counts_the_persistent_copies_of_each_plan() -> None:
     default = plan()  # a plain average: proposals without momentum, 3 forked children
     assert forked_children(default) == 3
-    assert predicted(inventory(default))["persistent"] == 4 + 4 + 4 + 8 + 3 * 4
+    assert inherited_heap(default) == 4 + (4 + 8)  # the averager keeps its template, the state server both
+    assert predicted(inventory(default))["persistent"] == 4 + 4 + 4 + 8 + 16
     synced = predicted(inventory(plan(outer_momentum=0.9)))
-    assert synced["persistent"] == 4 + 4 + 8 + 8 + 3 * 4 and synced["in_flight"] == 12
+    assert synced["persistent"] == 4 + 4 + 8 + 8 + (8 + 16) and synced["in_flight"] == 12
     lossy = plan(codec="fp16", fragments=4)  # consensus averagers and error feedback; 2 of 4 fragments in flight
     assert forked_children(lossy) == 10
     assert predicted(inventory(lossy)) == pytest.approx(
-        {"persistent": 4 + 4 + 4 + 4 + 8 + 4 + 10 * 4, "in_flight": 4, "momentary": 10, "peak_low": 72, "peak_high": 82}
+        {"persistent": 4 + 4 + 4 + 4 + 8 + 4 + 52, "in_flight": 4, "momentary": 10, "peak_low": 84, "peak_high": 94}
     )
 
 
@@ -71,19 +72,22 @@ def test_markdown_puts_the_command_first_and_a_row_per_run() -> None:
     timeline = [[0.0, 100, 50]]
     processes = [{"pid": 1, "kind": "main", "pss": 2**20, "uss": 2**19}]
     run = {"peak_pss": 8 * 2**20, "bytes_per_param": 8.0, "main_uss_peak": 2**20, "main_rss_hwm": 2**21,
-           "max_processes": 1, "rounds": 0, "checkpoint": False, "device": {"note": "cpu: device = host"},
+           "max_processes": 1, "rounds": 0, "inner_steps": None, "checkpoint": False,
+           "device": {"note": "cpu: device = host"},
            "peak_by_process": processes, "timeline": timeline}  # fmt: skip
     unit = {**run, "peak_pss": 12 * 2**20, "bytes_per_param": 12.0, "excess_bytes_per_param": 4.0, "rounds": 3,
+            "inner_steps": 20,
             "checkpoint": True, "max_processes": 6}  # fmt: skip
     report = {
         "command": "python scripts/memory.py --out x",
         "machine": {"python": "3.11", "torch": "2.13", "cpus": 2, "memory_bytes": 2**30},
         "package": "/x/p2p_diloco/__init__.py",
-        "models": {"m": {"trained_parameters": 2**20, "bare": run, "units": {"P4": {
+        "models": {"m": {"trained_parameters": 2**20, "steps": 40, "bare": run, "units": {"P4": {
             "flags": "--fragments 4", "run": unit, "inventory": as_json(copies), "predicted": predicted(copies)}}}},
     }  # fmt: skip
     table = markdown(report)
     assert table.startswith("Reproduce with:\n\n```\npython scripts/memory.py --out x\n```")
-    assert "| m | 1.05 M | bare loop |  | 8 | 8.0 |" in table
-    assert "| m | 1.05 M | P4 | `--fragments 4` | 12 | 12.0 | +4.0 | 44–56 |" in table
-    assert "| **predicted excess: persistent** | | | | 32 |" in table
+    assert "| m | 1.05 M | bare loop |  |  | 8 | 8.0 |" in table
+    assert "| m | 1.05 M | P4 | `--fragments 4` | 20 | 12 | 12.0 | +4.0 | 48–60 |" in table
+    assert "Fewer inner steps than --max-steps m P4: stopped by SIGTERM" in table
+    assert "| **predicted excess: persistent** | | | | 36 |" in table
