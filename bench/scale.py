@@ -30,10 +30,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import psutil
 import torch
 
-from bench.chaos import faults
+from bench.process_memory import sample_tree
 from bench.swarm import Swarm
 from p2p_diloco.checkpoint import load_checkpoint
 from p2p_diloco.events import (
@@ -116,19 +115,13 @@ def run_swarm(spec: RunSpec, root: Path, duration_s: float, flags: Sequence[str]
 
 def tree_cost(pid: int) -> dict[str, Any]:
     """Processes, threads and PSS (MiB) of ``pid``'s process tree, and each process's CPU seconds so far."""
-    processes, threads, pss, cpu = 0, 0, 0.0, {}
-    for member in faults.process_tree(pid):
-        try:
-            process = psutil.Process(member)
-            with process.oneshot():
-                threads += process.num_threads()
-                pss += process.memory_full_info().pss / 2**20
-                times = process.cpu_times()
-                cpu[member] = (times.user + times.system, member == pid)
-            processes += 1
-        except psutil.Error:
-            continue
-    return {"processes": processes, "threads": threads, "pss_mib": pss, "cpu": cpu}
+    samples = sample_tree(pid)
+    return {
+        "processes": len(samples),
+        "threads": sum(sample.threads for sample in samples),
+        "pss_mib": sum(sample.pss for sample in samples) / 2**20,
+        "cpu": {sample.pid: (sample.cpu_s, sample.pid == pid) for sample in samples},
+    }
 
 
 def cpu_split(start: dict[int, tuple[float, bool]], end: dict[int, tuple[float, bool]], seconds: float) -> dict:

@@ -1,0 +1,158 @@
+"""Every model-sized copy a learning unit holds, read from the code, in bytes per trained parameter (pure arithmetic).
+
+``N`` trained parameters; θ, its gradients and AdamW's moments are in the weights' dtype (``weight_bytes``: 4 for the
+default ``--dtype float32``); everything the round engine, the averagers and the state server hold is fp32 (4 bytes).
+``s`` = min(1, max_in_flight / P) is the largest share of the weights in flight at once (P fragments, staggered).
+
+Lifetimes: ``persistent`` (held from start-up, or from the first step or round, to the exit), ``in flight`` (while a
+fragment round is in flight: about half of every period with the default matchmaking window), ``momentary`` (inside
+one call, freed when it returns; glibc may keep the freed pages resident), ``exit`` (from the final rounds on), and
+``not alone`` (paths a lone unit never takes: group all-reduces, state downloads, export with --save-dir).
+
+hivemind's DHT and every averager run in processes forked from the unit's main process (lifecycle.py:
+ensure_fork_start_method), one after the other. A child shares the main process's resident pages copy-on-write; the
+pages the main process rewrites afterwards become the child's own. Each averager's buffers are first allocated as
+private zeros (OuterAverager.__init__ ``zeros_like``, StateServer's ``zeros``), then copied to shared memory and freed
+by hivemind's ``share_memory_`` just before the fork: the freed pages stay resident in glibc's heap, the child
+inherits them, and the main process's later allocations (AdamW's state, gradients, φ, m, round payloads) reuse them,
+so every child keeps up to the templates freed before it (measured for SmolLM2, P=1, fp32: 67, 412 and 770 MB private
+in the DHT, the round averager and the state server, forked in that order). The shared buffers themselves are mapped by
+the main process and the child: counted once (a lone unit's children never touch them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from p2p_diloco.plan import RoundPlan
+from p2p_diloco.streaming import Payload
+
+FP32 = 4
+LIFETIMES = ("persistent", "in flight", "momentary", "exit", "not alone")
+
+
+@dataclass(frozen=True)
+class Copy:
+    """One model-sized copy: ``bytes_per_param`` (per trained parameter) held in ``process`` for ``lifetime``,
+    made at ``source`` (file:function); ``bare``: the bare training loop holds it too."""
+
+    what: str
+    process: str
+    lifetime: str
+    bytes_per_param: float
+    source: str
+    bare: bool = False
+
+
+def forked_children(plan: RoundPlan) -> int:
+    """hivemind processes forked while training: the DHT, one averager per fragment (two with consensus rounds) and
+    the state server (the settle averager at exit comes on top)."""
+    fragments = len(plan.fragments)
+    return 1 + fragments * (2 if plan.consensus else 1) + 1
+
+
+def inherited_heap(plan: RoundPlan) -> float:
+    """Upper bound (bytes per parameter, all children together) of the freed template pages the forked children keep
+    (see the module docstring): the k-th averager forked keeps up to the templates of the first k; the DHT, forked
+    first, none."""
+    fragments = len(plan.fragments)
+    templates = [FP32 * plan.payload.copies / fragments] * fragments
+    templates += [FP32 / fragments] * (fragments if plan.consensus else 0)
+    templates.append(2 * FP32)  # the state server's, made last
+    kept, freed = 0.0, 0.0
+    for size in templates:
+        freed += size
+        kept += freed
+    return kept
+
+
+def in_flight_share(plan: RoundPlan) -> float:
+    """``s``: the largest share of the trained parameters whose rounds are in flight at once."""
+    return min(1.0, plan.max_in_flight / len(plan.fragments))
+
+
+def inventory(plan: RoundPlan, weight_bytes: int = FP32) -> list[Copy]:
+    """The copies a unit of ``plan`` holds (see the module docstring), the bare loop's first."""
+    lossy = plan.payload is Payload.PSEUDO_GRADIENT
+    s = in_flight_share(plan)
+    children = forked_children(plan)
+    sent = {Payload.PROPOSAL_WITH_MOMENTUM: "φ'_p and m'_p", Payload.PROPOSAL: "φ'_p, and its own m'_p",
+            Payload.PSEUDO_GRADIENT: "Δ_p (+ error feedback)"}[plan.payload]  # fmt: skip
+    return [
+        Copy("θ (the model's parameters)", "main", "persistent", weight_bytes, "model.py:load_model", bare=True),
+        Copy("gradients of θ", "main", "momentary", weight_bytes,
+             "inner.py:InnerTrainer.train_step (backward; zero_grad(set_to_none) frees them)", bare=True),
+        Copy("AdamW exp_avg and exp_avg_sq", "main", "persistent", 2 * weight_bytes,
+             "inner.py:InnerTrainer.__init__ (torch.optim.AdamW, allocated at the first step)", bare=True),
+        Copy("φ (global parameters)", "main", "persistent", FP32, "rounds.py:RoundEngine.__init__ (copy of θ)"),
+        Copy("m (outer momentum)", "main", "persistent", FP32, "rounds.py:RoundEngine.__init__ (zeros_like φ)"),
+        Copy(f"fragment-round averagers' buffers ({plan.payload.copies}× the fragments, P={len(plan.fragments)})",
+             "shared memory: main + each averager", "persistent", FP32 * plan.payload.copies,
+             "averaging.py:OuterAverager.__init__ (zeros_like of plan.py:RoundPlan.round_templates; hivemind "
+             "DecentralizedAverager.__init__: share_memory_)"),
+        Copy("consensus averagers' buffers (φ_p flat per fragment)", "shared memory: main + each consensus averager",
+             "persistent", FP32 if plan.consensus else 0.0,
+             "peer.py:run_peer ← plan.py:RoundPlan.consensus_templates (lossy codecs only)"),
+        Copy("state server's served copy (φ and m)", "shared memory: main + the state server", "persistent",
+             2 * FP32, "state_sync.py:StateServer.__init__ (buffers), StateServer.publish (copy_ into them)"),
+        Copy("error-feedback residuals", "main", "persistent", FP32 if plan.error_feedback else 0.0,
+             "compression.py:ErrorFeedback.update ← streaming.py:FragmentRounds.mark_sent (lossy codecs)"),
+        Copy(f"≤ the freed zero templates of the buffers, inherited at each fork and kept once the main process "
+             f"reuses their pages ({children} children: DHT, averagers, state server)", "each forked child",
+             "persistent", inherited_heap(plan),
+             "averaging.py:OuterAverager.__init__, state_sync.py:StateServer.__init__ (zeros → hivemind "
+             "DecentralizedAverager.__init__: share_memory_, then the fork at start), dht.py:start_dht"),
+        Copy("θ_p at send", "main", "in flight", FP32 * s, "rounds.py:RoundEngine._begin (fragments.py:copies)"),
+        Copy(f"payload sent: {sent}", "main", "in flight", FP32 * s * (1 if lossy else 2),
+             "streaming.py:FragmentRounds.payload, held by averaging.py:_PendingRound.proposal and "
+             "streaming.py:SentRound.momentum_proposal"),
+        Copy("φ_p, m_p and Δ_p copies" + (", the unused proposal φ'_p, m'_p" if lossy else ""), "main", "momentary",
+             FP32 * s * (5 if lossy else 3),
+             "streaming.py:FragmentRounds.payload (fragments.py:copies, diloco.py:pseudo_gradient, outer_step)"),
+        Copy("decoded payload (lossy: what receivers decode, to update the residuals)", "main", "momentary",
+             FP32 * s if plan.error_feedback else 0.0,
+             "streaming.py:FragmentRounds.mark_sent (compression.py:roundtrip)"),
+        Copy("merge: φ_p copy (plausibility check), θ_p copy, merged θ_p" + (", the outer step's φ_p, m_p"
+                                                                             if lossy else ""),
+             "main", "momentary", FP32 * s * (5 if lossy else 3),
+             "rounds.py:RoundEngine._end, _merge (diloco.py:merge_local_progress, distance)"),
+        Copy("eval: θ saved while φ is loaded", "main", "momentary", weight_bytes,
+             "inner.py:InnerTrainer.parameters_swapped ← unit.py:LearningUnit._evaluate"),
+        Copy("checkpoint: θ copy (φ, m, AdamW state by reference; hashed in place; torch.save streams to the page "
+             "cache)", "main", "momentary", FP32,
+             "unit.py:LearningUnit.save (inner.py:local_parameters), checkpoint.py:save_checkpoint, payload_digest"),
+        Copy("settle averager's buffer (φ flat), on top of the round averagers' (still mapped: the unit keeps them)",
+             "shared memory: main + a new child", "exit", FP32,
+             "peer.py:_settle_averager ← rounds.py:RoundEngine.settle_template; unit.py:LearningUnit.finish"),
+        Copy("settle payload (φ flat)", "main", "exit", FP32, "rounds.py:RoundEngine.begin_settle (torch.cat)"),
+        Copy("≤ the pages the main process rewrites after the settle averager's fork (final eval's θ swap, final "
+             "checkpoint's θ copy), kept by that child", "the settle averager", "exit", weight_bytes + FP32,
+             "peer.py:_settle_averager (forked at exit from the whole main process), unit.py:LearningUnit.finish"),
+        Copy("group round: the average's clone (+ mean − sent in consensus and settle rounds)", "main", "not alone",
+             FP32 * s * plan.payload.copies, "averaging.py:OuterAverager.poll (buffer.clone)"),
+        Copy("all-reduce: one averaged tensor at a time and per-part buffers", "each averager", "not alone",
+             0.0, "hivemind averaging/partition.py:TensorPartContainer.iterate_output_tensors (torch.cat per tensor)"),
+        Copy("serving a joiner: a snapshot of φ and m", "the state server", "not alone", 2 * FP32,
+             "state_sync.py:_SnapshotAverager.get_current_state (clone)"),
+        Copy("joining by download: φ and m through the pipe, then validated clones", "main", "not alone", 4 * FP32,
+             "state_sync.py:_SnapshotAverager.fetch_state, StateServer._validated"),
+        Copy("export with --save-dir: θ saved, safetensors bytes", "main", "not alone", weight_bytes + FP32,
+             "unit.py:LearningUnit.finish → model.py:export_pretrained"),
+    ]  # fmt: skip
+
+
+def predicted(copies: list[Copy]) -> dict[str, float]:
+    """Bytes per parameter the unit adds to the bare loop: ``persistent`` (unit-only persistent copies),
+    ``in_flight`` (held while a round is in flight), ``momentary`` (the largest single momentary copy beyond the bare
+    loop's), ``peak_low`` = persistent + in flight, ``peak_high`` = that + momentary."""
+    own = [copy for copy in copies if not copy.bare]
+    persistent = sum(copy.bytes_per_param for copy in own if copy.lifetime == "persistent")
+    in_flight = sum(copy.bytes_per_param for copy in own if copy.lifetime == "in flight")
+    momentary = max((copy.bytes_per_param for copy in own if copy.lifetime == "momentary"), default=0.0)
+    return {"persistent": persistent, "in_flight": in_flight, "momentary": momentary,
+            "peak_low": persistent + in_flight, "peak_high": persistent + in_flight + momentary}  # fmt: skip
+
+
+def as_json(copies: list[Copy]) -> list[dict[str, Any]]:
+    return [asdict(copy) for copy in copies]
