@@ -42,7 +42,6 @@ logger = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 PROCESS_GROUP_TIMEOUT = timedelta(minutes=10)  # rank 0's longest pause between two steps: a join, an eval, a save
-STOP, THETA_CHANGED, MOMENTS_RESET = range(3)  # the control word's fields
 
 
 class RanksLost(UserError):
