@@ -186,6 +186,11 @@ class ErrorFeedback:
             for sent, received in zip(compensated, transmitted)
         ]
 
+    @property
+    def residuals(self) -> list[torch.Tensor]:
+        """The residuals themselves (none before the first update)."""
+        return list(self._residuals or [])
+
     def reset(self) -> None:
         """Forget the residuals (e.g. after the tensors' shapes changed)."""
         self._residuals = None

@@ -20,6 +20,7 @@ from p2p_diloco.compression import Codec, hivemind_compression
 from p2p_diloco.config import PeerConfig, SwarmSections
 from p2p_diloco.data import TextData, load_text_data, shard_seed
 from p2p_diloco.dht import peer_identity, start_dht, stop_dht, visible_multiaddrs
+from p2p_diloco.forking import dropped_in_forked_children, module_tensors
 from p2p_diloco.inner import InnerTrainer
 from p2p_diloco.membership import MemberGate, MembershipError, load_run_access
 from p2p_diloco.metrics import MetricsLog
@@ -92,6 +93,7 @@ def unit_in_swarm(
     gate = MemberGate(access, members_key(run_id))
     interrupt = signal.getsignal(signal.SIGINT)
     with contextlib.ExitStack() as owned:
+        owned.enter_context(dropped_in_forked_children(functools.partial(module_tensors, loaded.model)))
         dht = start_dht(config.network, identity=identity, record_validators=validators)
         owned.callback(stop_dht, dht)
         multiaddrs = " ".join(visible_multiaddrs(dht))
@@ -117,6 +119,7 @@ def unit_in_swarm(
         signal.signal(signal.SIGINT, interrupt)  # starting a hivemind averager turned Ctrl+C off in this process
         metrics = owned.enter_context(MetricsLog(Path(config.run.work_dir) / "metrics.jsonl"))
         unit = LearningUnit(config, plan, loaded, data(peer_id), network, metrics, ranks, trainer, eval_batches)
+        owned.enter_context(dropped_in_forked_children(unit.host_tensors))  # the settle averager's fork at exit
         source = unit.join()
         metrics.write(events.Join(peer_id=peer_id, source=source, outer_round=unit.outer_round, ranks=ranks.world_size,
                                   trained_parameters=sum(param.numel() for param in trained),

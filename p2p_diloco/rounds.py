@@ -63,7 +63,7 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -237,6 +237,18 @@ class RoundEngine:
         """φ at the first fragment's probe coordinates (those of φ_0): what units compare to measure how far apart
         their models are."""
         return consensus_probe(views(self.global_params, self.plan.fragments[0]), self.probe_indices[0])
+
+    def host_tensors(self) -> Iterator[torch.Tensor]:
+        """The host tensors the engine holds: φ, m, and its rounds' θ_p at send, momentum proposals and error-feedback
+        residuals."""
+        yield from self.global_params
+        yield from self.momentum
+        for rounds in self.fragments:
+            if rounds.sent is not None:
+                yield from rounds.sent.local_at_send
+                yield from rounds.sent.momentum_proposal
+            if rounds.error_feedback is not None:
+                yield from rounds.error_feedback.residuals
 
     def load_state(self, global_params: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor],
                    fragment_rounds: Sequence[int]) -> None:  # fmt: skip

@@ -39,6 +39,7 @@ from p2p_diloco.checkpoint import load_checkpoint, save_checkpoint
 from p2p_diloco.config import PeerConfig, SwarmSections
 from p2p_diloco.data import TextData
 from p2p_diloco.errors import UserError
+from p2p_diloco.forking import optimizer_tensors
 from p2p_diloco.goodput import LEDGER_FILE, GoodputLedger
 from p2p_diloco.inner import InnerTrainer, StepStats
 from p2p_diloco.members import believed_rounds
@@ -122,6 +123,11 @@ class LearningUnit:
     @property
     def outer_round(self) -> int:
         return self.engine.outer_round
+
+    def host_tensors(self) -> Iterator[torch.Tensor]:
+        """The inner optimizer's state and the round engine's host tensors (θ is the model's)."""
+        yield from optimizer_tensors(self.trainer.optimizer)
+        yield from self.engine.host_tensors()
 
     # ----------------------------------------------------------------------------------------------- join
     def join(self) -> events.JoinSource:
