@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
 from p2p_diloco.api import DiLoCo
 from p2p_diloco.presets import CORPUS, TINY_MODEL
@@ -42,19 +42,29 @@ def batches(tokenizer: PreTrainedTokenizerBase, texts: list[str], seed: int) -> 
             yield torch.tensor(rows[start : start + BATCH_SIZE])
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def example_arguments(description: str, work_dir: Path) -> argparse.Namespace:
+    """The examples' command line: where the swarm is, the run, the work dir, the steps and the data order."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--initial-peers", nargs="*", default=[], help="multiaddrs of any live swarm member")
     parser.add_argument("--run-id", default="train-loop-example")
-    parser.add_argument("--work-dir", type=Path, default=Path("runs/train-loop"))
+    parser.add_argument("--work-dir", type=Path, default=work_dir)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--data-seed", type=int, default=0, help="this peer's data order")
-    args = parser.parse_args()
+    return parser.parse_args()
 
+
+def seeded_tiny_model() -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """The embedded tiny GPT-2, initialised from the seed every peer shares, and its tokenizer."""
     torch.set_num_threads(1)
-    torch.manual_seed(0)  # every peer starts from the same weights
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(TINY_MODEL))
-    tokenizer = AutoTokenizer.from_pretrained(TINY_MODEL)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(TINY_MODEL)), AutoTokenizer.from_pretrained(
+        TINY_MODEL
+    )
+
+
+def main() -> None:
+    args = example_arguments(__doc__.splitlines()[0], Path("runs/train-loop"))
+    model, tokenizer = seeded_tiny_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.1)
     train, evaluation = paragraphs()
     stream = batches(tokenizer, train, args.data_seed)

@@ -116,3 +116,78 @@ class DiLoCo:
         session, self._session, self._unit = self._session, None, None
         if session is not None:
             session.__exit__(kind, error, traceback)
+
+
+class DiLoCoCallback(transformers.TrainerCallback):
+    """A Hugging Face ``Trainer`` joins a swarm as one learning unit: the :class:`DiLoCo` of the Trainer's own model,
+    optimizer, scheduler and tokenizer (its ``processing_class``), entered when training begins (they exist by then)
+    and left when it ends. ::
+
+        with DiLoCoCallback(run_id="my-run", initial_peers=[maddr], inner_steps=50) as diloco:
+            args = TrainingArguments(..., include_num_input_tokens_seen="all")
+            Trainer(model, args, train_dataset=data, processing_class=tokenizer, callbacks=[diloco]).train()
+
+    Each optimizer step's weight is the tokens the Trainer counted in it (``include_num_input_tokens_seen``); a limit
+    of the run (``max_steps``, ``max_time_s``, ``stop_at``) stops training. The ``with`` block leaves the swarm even
+    when training raises (the Trainer then never calls ``on_train_end``). One process per unit: a Trainer of several
+    processes is refused. ``settings`` and ``eval_batches``: those of :class:`DiLoCo`.
+
+    Raises ValueError at ``on_train_begin`` when the Trainer counts no tokens, runs several processes or has no
+    tokenizer; then what :class:`DiLoCo` raises on entering.
+    """
+
+    def __init__(self, *, eval_batches: Sequence[torch.Tensor] = (), config: SwarmSections | None = None,
+                 **settings: Any):  # fmt: skip
+        self.config = swarm_sections(config, **settings)
+        self.eval_batches = list(eval_batches)
+        self.diloco: DiLoCo | None = None
+        self._tokens_seen = 0
+
+    def on_train_begin(self, args: transformers.TrainingArguments, state: transformers.TrainerState,
+                       control: transformers.TrainerControl, **kwargs: Any) -> None:  # fmt: skip
+        if args.include_num_input_tokens_seen in (False, "no"):
+            raise ValueError("DiLoCoCallback weighs steps by their tokens: set "
+                             "TrainingArguments(include_num_input_tokens_seen='all')")  # fmt: skip
+        if args.world_size > 1:
+            raise ValueError("DiLoCoCallback: a learning unit is one process here; run several ranks with the CLI")
+        if kwargs.get("processing_class") is None:
+            raise ValueError("DiLoCoCallback: give the Trainer its tokenizer (processing_class): the model's "
+                             "fingerprint counts its tokens")  # fmt: skip
+        model, optimizer, tokenizer = kwargs["model"], kwargs["optimizer"], kwargs["processing_class"]
+        scheduler = kwargs.get("lr_scheduler")
+        diloco = DiLoCo(model, optimizer, tokenizer, scheduler=scheduler, eval_batches=self.eval_batches,
+                        config=self.config)  # fmt: skip
+        self.diloco = diloco.__enter__()
+        self._tokens_seen = state.num_input_tokens_seen
+
+    def on_step_end(self, args: transformers.TrainingArguments, state: transformers.TrainerState,
+                    control: transformers.TrainerControl, **kwargs: Any) -> None:  # fmt: skip
+        if self.diloco is None:
+            return
+        tokens, self._tokens_seen = state.num_input_tokens_seen - self._tokens_seen, state.num_input_tokens_seen
+        if self.diloco.step(tokens=int(tokens), loss=_last_logged_loss(state)):
+            control.should_training_stop = True
+
+    def on_train_end(self, args: transformers.TrainingArguments, state: transformers.TrainerState,
+                     control: transformers.TrainerControl, **kwargs: Any) -> None:  # fmt: skip
+        self._leave(None, None, None)
+
+    def __enter__(self) -> DiLoCoCallback:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        self._leave(kind, error, traceback)
+
+    def _leave(self, kind: type[BaseException] | None, error: BaseException | None,
+               traceback: TracebackType | None) -> None:  # fmt: skip
+        diloco, self.diloco = self.diloco, None
+        if diloco is not None:
+            diloco.__exit__(kind, error, traceback)
+
+
+def _last_logged_loss(state: transformers.TrainerState) -> float:
+    """The training loss the Trainer logged last (it logs every ``logging_steps``), NaN before the first."""
+    losses = [entry["loss"] for entry in state.log_history if "loss" in entry]
+    return float(losses[-1]) if losses else math.nan

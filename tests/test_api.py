@@ -9,14 +9,16 @@ from pathlib import Path
 import pytest
 import torch
 from swarms import close_leaving_nothing, quick_swarm
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, TrainerControl, TrainerState, TrainingArguments
 
+from p2p_diloco.api import DiLoCoCallback
 from p2p_diloco.config import ConfigError, SwarmSections, swarm_sections
 from p2p_diloco.events import Eval, Join
 from p2p_diloco.inner import InnerTrainer
 from p2p_diloco.launcher import spawn
 
-EXAMPLE = Path(__file__).parent.parent / "examples" / "train_loop.py"
+EXAMPLES = Path(__file__).parent.parent / "examples"
+LOOPS = {"a": EXAMPLES / "train_loop.py", "b": EXAMPLES / "hf_trainer.py"}
 
 
 def test_settings_are_the_swarm_fields_by_name() -> None:
@@ -38,19 +40,35 @@ def test_the_optimizer_must_hold_exactly_the_trainable_parameters() -> None:
         InnerTrainer.around(model, torch.optim.SGD(model[0].parameters(), lr=0.1))
 
 
+def test_the_trainer_callback_needs_token_counts_one_process_and_a_tokenizer(tmp_path: Path) -> None:
+    callback = DiLoCoCallback(run_id="lib")
+    state, control = TrainerState(), TrainerControl()
+    model = torch.nn.Linear(2, 2)
+    kwargs = {"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.1), "processing_class": None}
+    uncounted = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none")
+    with pytest.raises(ValueError, match="include_num_input_tokens_seen"):
+        callback.on_train_begin(uncounted, state, control, **kwargs)
+    counted = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, report_to="none",
+                                include_num_input_tokens_seen="all")  # fmt: skip
+    with pytest.raises(ValueError, match="processing_class"):
+        callback.on_train_begin(counted, state, control, **kwargs)
+    assert callback.diloco is None and not list(tmp_path.iterdir())
+
+
 @pytest.mark.swarm
-def test_the_example_training_loop_trains_and_averages_between_two_processes(tmp_path: Path) -> None:
+def test_the_example_loop_and_trainer_train_and_average_between_two_processes(tmp_path: Path) -> None:
+    """a: examples/train_loop.py (the context manager), b: examples/hf_trainer.py (the Trainer callback)."""
     swarm = quick_swarm(tmp_path)
     try:
         maddr = swarm.bootstrap("bootstrap")
         for index, name in enumerate(("a", "b")):
             work_dir = tmp_path / name
             work_dir.mkdir()
-            command = [sys.executable, str(EXAMPLE), "--initial-peers", maddr, "--run-id", swarm.run_id,
+            command = [sys.executable, str(LOOPS[name]), "--initial-peers", maddr, "--run-id", swarm.run_id,
                        "--work-dir", str(work_dir), "--steps", "100", "--data-seed", str(index)]  # fmt: skip
             swarm.processes[name] = spawn(command, work_dir / "stdout.log")
         swarm.wait_for(lambda: all(not swarm.running(name) for name in ("a", "b")), timeout_s=240,
-                       what="both example loops to finish their 100 steps")  # fmt: skip
+                       what="both examples to finish their 100 steps")  # fmt: skip
         assert all(swarm.processes[name].returncode == 0 for name in ("a", "b")), swarm.tails()
     finally:
         close_leaving_nothing(swarm)
