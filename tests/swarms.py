@@ -23,10 +23,13 @@ def quick_swarm(root: Path) -> Swarm:
 
 
 def close_leaving_nothing(swarm: Swarm, gone_s: float = 15.0) -> None:
-    """Close ``swarm``, then fail if any of its processes (those faults were applied to included) is still alive
-    ``gone_s`` later (they are SIGKILLed first, so nothing leaks into the next test)."""
+    """Kill ``swarm`` (SIGKILL of every process group: any process may be killed at any moment), then fail if any of
+    its processes (those faults were applied to included) is still alive ``gone_s`` later (they are SIGKILLed one by
+    one first, so nothing leaks into the next test). A test that asserts clean exits stops its units itself first
+    (``Swarm.stop``): a unit's clean exit runs its final and settle rounds, which would cost every test up to the
+    close's grace (15 s)."""
     pids = swarm.live_pids() | swarm.faulted_pids
-    swarm.close()  # thaws frozen trees first
+    swarm.close(grace_s=0.0)  # thaws frozen trees first
     try:
         wait_until(lambda: not any(is_running(pid) for pid in pids), gone_s, "every process of the swarm to exit")
     except AssertionError:
