@@ -10,14 +10,13 @@ one call, freed when it returns; glibc may keep the freed pages resident), ``exi
 ``not alone`` (paths a lone unit never takes: group all-reduces, state downloads, export with --save-dir).
 
 hivemind's DHT and every averager run in processes forked from the unit's main process (lifecycle.py:
-ensure_fork_start_method), one after the other. A child shares the main process's resident pages copy-on-write; the
-pages the main process rewrites afterwards become the child's own. Each averager's buffers are first allocated as
-private zeros (OuterAverager.__init__ ``zeros_like``, StateServer's ``zeros``), then copied to shared memory and freed
-by hivemind's ``share_memory_`` just before the fork: the freed pages stay resident in glibc's heap, the child
-inherits them, and the main process's later allocations (AdamW's state, gradients, φ, m, round payloads) reuse them,
-so every child keeps up to the templates freed before it (measured for SmolLM2, P=1, fp32: 67, 412 and 770 MB private
-in the DHT, the round averager and the state server, forked in that order). The shared buffers themselves are mapped by
-the main process and the child: counted once (a lone unit's children never touch them).
+ensure_fork_start_method), one after the other. A child shares the main process's pages copy-on-write, so every page
+the main process rewrites afterwards, and every freed heap page it reuses, would become the child's own (measured for
+SmolLM2, P=1, fp32, before forking.py: 33 B/param private in the three children). forking.py hands the freed pages
+back to the system before each fork and drops the unit's tensors from each child right after it, so the children keep
+no model-sized pages: what they hold is their own heap (measured: 2-8 B/param for all of them on SmolLM2, about 100
+MiB each on the tiny model). The shared buffers are mapped by the main process and the child: counted once (a lone
+unit's children never touch them).
 """
 
 from __future__ import annotations
@@ -52,21 +51,6 @@ def forked_children(plan: RoundPlan) -> int:
     return 1 + fragments * (2 if plan.consensus else 1) + 1
 
 
-def inherited_heap(plan: RoundPlan) -> float:
-    """Upper bound (bytes per parameter, all children together) of the freed template pages the forked children keep
-    (see the module docstring): the k-th averager forked keeps up to the templates of the first k; the DHT, forked
-    first, none."""
-    fragments = len(plan.fragments)
-    templates = [FP32 * plan.payload.copies / fragments] * fragments
-    templates += [FP32 / fragments] * (fragments if plan.consensus else 0)
-    templates.append(2 * FP32)  # the state server's, made last
-    kept, freed = 0.0, 0.0
-    for size in templates:
-        freed += size
-        kept += freed
-    return kept
-
-
 def in_flight_share(plan: RoundPlan) -> float:
     """``s``: the largest share of the trained parameters whose rounds are in flight at once."""
     return min(1.0, plan.max_in_flight / len(plan.fragments))
@@ -98,11 +82,10 @@ def inventory(plan: RoundPlan, weight_bytes: int = FP32) -> list[Copy]:
              2 * FP32, "state_sync.py:StateServer.__init__ (buffers), StateServer.publish (copy_ into them)"),
         Copy("error-feedback residuals", "main", "persistent", FP32 if plan.error_feedback else 0.0,
              "compression.py:ErrorFeedback.update ← streaming.py:FragmentRounds.mark_sent (lossy codecs)"),
-        Copy(f"≤ the freed zero templates of the buffers, inherited at each fork and kept once the main process "
-             f"reuses their pages ({children} children: DHT, averagers, state server)", "each forked child",
-             "persistent", inherited_heap(plan),
-             "averaging.py:OuterAverager.__init__, state_sync.py:StateServer.__init__ (zeros → hivemind "
-             "DecentralizedAverager.__init__: share_memory_, then the fork at start), dht.py:start_dht"),
+        Copy(f"the main process's pages inherited at each fork: θ, AdamW state, φ, m, freed buffer templates "
+             f"({children} children: DHT, averagers, state server)", "each forked child", "persistent", 0.0,
+             "forking.py:dropped_in_forked_children (malloc_trim before the fork, MADV_DONTNEED in the child) ← "
+             "peer.py:unit_in_swarm"),
         Copy("θ_p at send", "main", "in flight", FP32 * s, "rounds.py:RoundEngine._begin (fragments.py:copies)"),
         Copy(f"payload sent: {sent}", "main", "in flight", FP32 * s * (1 if lossy else 2),
              "streaming.py:FragmentRounds.payload, held by averaging.py:_PendingRound.proposal and "
@@ -126,9 +109,9 @@ def inventory(plan: RoundPlan, weight_bytes: int = FP32) -> list[Copy]:
              "shared memory: main + a new child", "exit", FP32,
              "peer.py:_settle_averager ← rounds.py:RoundEngine.settle_template; unit.py:LearningUnit.finish"),
         Copy("settle payload (φ flat)", "main", "exit", FP32, "rounds.py:RoundEngine.begin_settle (torch.cat)"),
-        Copy("≤ the pages the main process rewrites after the settle averager's fork (final eval's θ swap, final "
-             "checkpoint's θ copy), kept by that child", "the settle averager", "exit", weight_bytes + FP32,
-             "peer.py:_settle_averager (forked at exit from the whole main process), unit.py:LearningUnit.finish"),
+        Copy("the main process's pages inherited by the settle averager (forked at exit from the whole main "
+             "process)", "the settle averager", "exit", 0.0,
+             "forking.py:dropped_in_forked_children ← peer.py:_settle_averager, unit.py:LearningUnit.finish"),
         Copy("group round: the average's clone (+ mean − sent in consensus and settle rounds)", "main", "not alone",
              FP32 * s * plan.payload.copies, "averaging.py:OuterAverager.poll (buffer.clone)"),
         Copy("all-reduce: one averaged tensor at a time and per-part buffers", "each averager", "not alone",

@@ -10,7 +10,7 @@ import psutil
 import pytest
 
 from bench.memory import TreeWatch, stop_leftovers
-from bench.memory_inventory import as_json, forked_children, inherited_heap, inventory, predicted
+from bench.memory_inventory import as_json, forked_children, inventory, predicted
 from bench.memory_report import markdown
 from bench.process_memory import ProcessSample, sample_tree
 from p2p_diloco.config import OuterSection
@@ -56,14 +56,13 @@ def test_stop_leftovers_kills_what_outlived_its_run() -> None:
 def test_inventory_counts_the_persistent_copies_of_each_plan() -> None:
     default = plan()  # a plain average: proposals without momentum, 3 forked children
     assert forked_children(default) == 3
-    assert inherited_heap(default) == 4 + (4 + 8)  # the averager keeps its template, the state server both
-    assert predicted(inventory(default))["persistent"] == 4 + 4 + 4 + 8 + 16
+    assert predicted(inventory(default))["persistent"] == 4 + 4 + 4 + 8  # the children keep nothing
     synced = predicted(inventory(plan(outer_momentum=0.9)))
-    assert synced["persistent"] == 4 + 4 + 8 + 8 + (8 + 16) and synced["in_flight"] == 12
+    assert synced["persistent"] == 4 + 4 + 8 + 8 and synced["in_flight"] == 12
     lossy = plan(codec="fp16", fragments=4)  # consensus averagers and error feedback; 2 of 4 fragments in flight
     assert forked_children(lossy) == 10
     assert predicted(inventory(lossy)) == pytest.approx(
-        {"persistent": 4 + 4 + 4 + 4 + 8 + 4 + 52, "in_flight": 4, "momentary": 10, "peak_low": 84, "peak_high": 94}
+        {"persistent": 4 + 4 + 4 + 4 + 8 + 4, "in_flight": 4, "momentary": 10, "peak_low": 32, "peak_high": 42}
     )
 
 
@@ -88,6 +87,6 @@ def test_markdown_puts_the_command_first_and_a_row_per_run() -> None:
     table = markdown(report)
     assert table.startswith("Reproduce with:\n\n```\npython scripts/memory.py --out x\n```")
     assert "| m | 1.05 M | bare loop |  |  | 8 | 8.0 |" in table
-    assert "| m | 1.05 M | P4 | `--fragments 4` | 20 | 12 | 12.0 | +4.0 | 48–60 |" in table
+    assert "| m | 1.05 M | P4 | `--fragments 4` | 20 | 12 | 12.0 | +4.0 | 32–44 |" in table
     assert "Fewer inner steps than --max-steps m P4: stopped by SIGTERM" in table
-    assert "| **predicted excess: persistent** | | | | 36 |" in table
+    assert "| **predicted excess: persistent** | | | | 20 |" in table
