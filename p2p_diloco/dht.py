@@ -26,9 +26,9 @@ from p2p_diloco.errors import UserError
 from p2p_diloco.lifecycle import (
     descendant_pids,
     ensure_fork_start_method,
+    hivemind_sockets,
     is_running,
     kill_process_tree,
-    p2pd_sockets,
 )
 from p2p_diloco.membership import IdentityKey, MembershipError, load_identity_key, peer_id_of
 
@@ -176,9 +176,9 @@ def start_dht(
 
 def stop_dht(dht: hivemind.DHT) -> None:
     """Shut ``dht`` down gracefully (bounded by its ``shutdown_timeout``), SIGKILL whatever of its process and
-    p2pd survived, and remove the p2pd's socket files. Safe to call twice."""
+    p2pd survived, and remove their hivemind socket files. Safe to call twice."""
     survivors = descendant_pids(dht.pid) if dht.is_alive() else []
-    sockets = p2pd_sockets(survivors)
+    sockets = hivemind_sockets(survivors)
     dht.shutdown()
     for pid in survivors:
         if is_running(pid):
@@ -189,9 +189,9 @@ def stop_dht(dht: hivemind.DHT) -> None:
 
 
 def _kill_dht(dht: hivemind.DHT) -> None:
-    """Kill a DHT process that failed to start, with its p2pd; reap it and remove the p2pd's socket files."""
+    """Kill a DHT process that failed to start, with its p2pd; reap it and remove their hivemind socket files."""
     if dht.pid is not None:
-        sockets = p2pd_sockets(descendant_pids(dht.pid))
+        sockets = hivemind_sockets(descendant_pids(dht.pid))
         kill_process_tree(dht.pid)
         dht.join(timeout=5)
         for path in sockets:

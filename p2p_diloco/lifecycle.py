@@ -9,6 +9,7 @@ SIGKILLs that group once the main process is gone, whatever the cause. Run as
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing as mp
 import os
@@ -25,6 +26,7 @@ logger = logging.getLogger(__name__)
 
 REAPER_POLL_S = 0.1
 SOCKET_SCAN_EVERY = 20
+_HIVEMIND_SOCKET_PREFIX = "/tmp/hivemind-"
 _P2PD_SOCKET_RE = re.compile(r"-listen=/unix(/tmp/hivemind-p2pd-([A-Za-z0-9_-]+)\.sock)")
 _stop_event = threading.Event()
 _children_pgid: int | None = None
@@ -96,8 +98,8 @@ def start_orphan_reaper(poll_s: float = REAPER_POLL_S) -> subprocess.Popen:
     Signals sent to this process's own group (Ctrl+C in a terminal, a supervisor's SIGTERM to the job) then
     reach this process only, which shuts its children down in order: a child killed by such a signal could die
     holding hivemind's cross-process future lock and hang this process forever. When this process is gone for
-    any reason (exit, crash, SIGKILL), the watchdog removes the group's p2pd socket files and SIGKILLs the
-    children group, itself included. Call it once, before starting hivemind.
+    any reason (exit, crash, SIGKILL), the watchdog removes the hivemind socket files of this process and of the
+    children group and SIGKILLs that group, itself included. Call it once, before starting hivemind.
     """
     global _children_pgid
     if _children_pgid is not None:
@@ -135,31 +137,57 @@ def _join_children_group() -> None:
             logger.debug("could not join the children group pgid=%d error=%s", _children_pgid, error)
 
 
-def p2pd_sockets(pids: Iterable[int]) -> list[Path]:
-    """Unix socket files of the p2pd daemons among ``pids`` and of their hivemind clients (files may be gone)."""
+def hivemind_sockets(pids: Iterable[int]) -> list[Path]:
+    """hivemind's unix socket files of ``pids``: each p2pd daemon's and its first client's (named on the daemon's
+    command line), and every other ``/tmp/hivemind-*`` socket these processes have open (each forked hivemind
+    process replicates the client under a name of its own). Files may be gone already."""
     sockets = []
+    inodes: set[str] = set()
     for pid in pids:
         try:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            inodes |= _socket_inodes(pid)
         except (FileNotFoundError, ProcessLookupError, PermissionError):
             continue
         for path, uid in _P2PD_SOCKET_RE.findall(cmdline):
             sockets += [Path(path), Path(f"/tmp/hivemind-p2pclient-{uid}.sock")]
-    return sockets
+    return sockets + _bound_unix_sockets(inodes, prefix=_HIVEMIND_SOCKET_PREFIX)
+
+
+def _socket_inodes(pid: int) -> set[str]:
+    """Inodes of the sockets ``pid`` has open (``socket:[N]`` links in /proc/PID/fd)."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        with contextlib.suppress(OSError):  # an fd closed while we read
+            target = os.readlink(fd)
+            if target.startswith("socket:["):
+                inodes.add(target[len("socket:[") : -1])
+    return inodes
+
+
+def _bound_unix_sockets(inodes: set[str], prefix: str) -> list[Path]:
+    """Paths under ``prefix`` of the unix sockets with these inodes (/proc/net/unix: ... Inode Path)."""
+    paths = []
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/net/unix").read_text().splitlines()[1:]:
+            fields = line.split()
+            if len(fields) >= 8 and fields[6] in inodes and fields[7].startswith(prefix):
+                paths.append(Path(fields[7]))
+    return paths
 
 
 def _reap(pid: int, start_time: str, poll_s: float) -> None:
-    """Watchdog body: wait until PID is gone, then remove the p2pd sockets of the children group (this process's
-    own group) and SIGKILL that group."""
+    """Watchdog body: wait until PID is gone, then remove the hivemind sockets of PID and of the children group (this
+    process's own group), seen while they lived, and SIGKILL that group."""
     pgid = os.getpgid(0)
     sockets: list[Path] = []
     polls = 0
     while is_running(pid, start_time):
         if polls % SOCKET_SCAN_EVERY == 0:  # a full /proc scan is ~100x dearer than one stat read
-            sockets = sorted(set(sockets) | set(p2pd_sockets(group_pids(pgid))))
+            sockets = sorted(set(sockets) | set(hivemind_sockets([pid, *group_pids(pgid)])))
         polls += 1
         time.sleep(poll_s)
-    sockets = sorted(set(sockets) | set(p2pd_sockets(group_pids(pgid))))
+    sockets = sorted(set(sockets) | set(hivemind_sockets(group_pids(pgid))))
     for path in sockets:
         path.unlink(missing_ok=True)
     os.killpg(pgid, signal.SIGKILL)

@@ -28,7 +28,7 @@ from p2p_diloco.dht import (
     validate_multiaddrs,
     visible_multiaddrs,
 )
-from p2p_diloco.lifecycle import descendant_pids, group_pids, is_running, p2pd_sockets
+from p2p_diloco.lifecycle import descendant_pids, group_pids, hivemind_sockets, is_running
 
 pytestmark = pytest.mark.swarm
 
@@ -74,7 +74,7 @@ def test_identity_created_once_and_peer_id_stable(tmp_path, dhts):
     first_id = first.peer_id.to_base58()
     assert first_id == identity_peer_id(path)
     assert all(maddr.endswith(f"/p2p/{first_id}") for maddr in visible_multiaddrs(first))
-    sockets = p2pd_sockets(descendant_pids(first.pid))
+    sockets = hivemind_sockets(descendant_pids(first.pid))
     assert sockets and any(path.exists() for path in sockets)
     stop_dht(first)
     assert not any(path.exists() for path in sockets)

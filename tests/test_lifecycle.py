@@ -10,6 +10,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import psutil
 import pytest
 
 from bench.swarm import wait_until
@@ -28,6 +29,9 @@ PEER_SCRIPT = textwrap.dedent(
     threading.Thread(target=lambda: stop.wait() and print("stop requested", flush=True), daemon=True).start()
     reaper = start_orphan_reaper()
     dht = start_dht(NetworkSection(host_maddrs=["/ip4/127.0.0.1/tcp/0"]))
+    if sys.argv[1:] == ["averager"]:  # a forked process of its own that replicates the DHT's p2pd client
+        import hivemind, torch
+        averager = hivemind.averaging.DecentralizedAverager([torch.zeros(4)], dht, prefix="t", start=True)
     cmdlines = {pid: open(f"/proc/{pid}/cmdline", "rb").read().decode() for pid in descendant_pids(dht.pid)}
     p2pd = [pid for pid, cmd in cmdlines.items() if "p2pd" in cmd]
     sockets = [arg.split("=/unix", 1)[1] for cmd in cmdlines.values() for arg in cmd.split("\\0")
@@ -42,8 +46,18 @@ PEER_SCRIPT = textwrap.dedent(
 @pytest.fixture
 def peer():
     """A child peer process with a reaper and a DHT in its children group; everything is killed at teardown."""
+    yield from _peer()
+
+
+@pytest.fixture
+def peer_with_averager():
+    """``peer`` with a hivemind averager too (a forked process of its own in the children group)."""
+    yield from _peer("averager")
+
+
+def _peer(*args: str):
     child = subprocess.Popen(
-        [sys.executable, "-c", PEER_SCRIPT],
+        [sys.executable, "-c", PEER_SCRIPT, *args],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -73,6 +87,26 @@ def test_sigkill_of_main_kills_dht_and_p2pd(peer):
     wait_until(lambda: not group_pids(info["children"]), 10, "the DHT process and p2pd to die")
     wait_until(lambda: not is_running(info["reaper"]), 5, "the reaper to exit")
     assert not any(Path(path).exists() for path in info["sockets"])
+
+
+def test_sigkill_of_main_leaves_no_socket_file_of_its_averagers(peer_with_averager):
+    """Each forked hivemind process that replicates the p2pd client listens on a socket file of its own, named
+    nowhere on a command line: the reaper removed only the daemon's, and every SIGKILLed unit left the others in
+    /tmp."""
+    child, info = peer_with_averager
+    named = set(info["sockets"])  # on the p2pd command line: the daemon's and its first client's
+
+    def listened() -> set[str]:  # psutil's reading of /proc, independent of the reaper's
+        return {str(connection.laddr) for pid in group_pids(info["children"]) if is_running(pid)
+                for connection in psutil.Process(pid).net_connections(kind="unix")
+                if str(connection.laddr).startswith("/tmp/hivemind-")}  # fmt: skip
+
+    wait_until(lambda: listened() - named, 15, "the averager to listen on a socket file of its own")
+    sockets = listened() | named
+    child.send_signal(signal.SIGKILL)
+    child.wait(timeout=5)
+    wait_until(lambda: not is_running(info["reaper"]), 15, "the reaper to exit")
+    assert not any(Path(path).exists() for path in sockets), sockets
 
 
 def test_reaper_cleans_up_after_normal_exit(peer):
