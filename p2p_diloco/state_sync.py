@@ -224,17 +224,17 @@ class StateServer:
         when there is none yet: no believed donor, no valid download, or downloads that disagree. Never raises for
         network failures."""
         deadline = time.monotonic() + timeout_s
-        unreachable: set[str] = set()
+        failed: set[str] = set()
         taken: list[tuple[DonorRecord, SwarmState]] = []
-        donors = self._believed_donors(unreachable)
+        donors = self._believed_donors(failed)
         if not donors:
             logger.info("no donor serves the state yet")
             return None
         tried = {donor.peer_id for donor in donors}
-        state = self._corroborated(donors, deadline, taken, unreachable)
-        if state is None and unreachable:  # e.g. a unit that died and restarted: its record outlives it
-            again = [donor for donor in self._believed_donors(unreachable) if donor.peer_id not in tried]
-            state = self._corroborated(again, deadline, taken, unreachable)
+        state = self._corroborated(donors, deadline, taken, failed)
+        if state is None and failed:  # e.g. a unit that died (or died while streaming): its record outlives it
+            again = [donor for donor in self._believed_donors(failed) if donor.peer_id not in tried]
+            state = self._corroborated(again, deadline, taken, failed)
         if state is None and len(taken) == 1:
             logger.warning(
                 "state of %s taken uncorroborated: no other donor's could be downloaded", taken[0][0].peer_id
@@ -243,14 +243,14 @@ class StateServer:
         return state
 
     def _corroborated(self, donors: list[DonorRecord], deadline: float, taken: list[tuple[DonorRecord, SwarmState]],
-                      unreachable: set[str]) -> SwarmState | None:  # fmt: skip
+                      failed: set[str]) -> SwarmState | None:  # fmt: skip
         """Download from ``donors`` in order until two downloads agree (returns the first of them); the downloads
-        that no other one corroborated yet are added to ``taken``, the donors that could not be reached to
-        ``unreachable``."""
+        that no other one corroborated yet are added to ``taken``, the donors whose download failed or was rejected to
+        ``failed``."""
         for donor in donors:
             if time.monotonic() >= deadline:
                 break
-            state = self._download_from(donor, max(1.0, deadline - time.monotonic()), unreachable)
+            state = self._download_from(donor, max(1.0, deadline - time.monotonic()), failed)
             if state is None:
                 continue
             for earlier, earlier_state in taken:
@@ -263,12 +263,13 @@ class StateServer:
             taken.append((donor, state))
         return None
 
-    def _believed_donors(self, unreachable: set[str]) -> list[DonorRecord]:
+    def _believed_donors(self, failed: set[str]) -> list[DonorRecord]:
         """The other units' donor records whose rounds are believed among those of the donors not known to be
-        ``unreachable``, freshest first (ties in random order). A dead unit's record outlives it (DONOR_TTL_S): it
-        no longer holds the live donors' rounds down once a download from it failed."""
+        ``failed``, freshest first (ties in random order). A dead unit's record outlives it (DONOR_TTL_S): it
+        no longer holds the live donors' rounds down once a download from it failed (a donor shut down while it
+        streams sends a cut-off state, which is rejected: that counts as failed too)."""
         donors = {peer: donor for peer, donor in self._donors.read_donors(self._prefix).items()
-                  if peer != self._peer_id and peer not in unreachable}  # fmt: skip
+                  if peer != self._peer_id and peer not in failed}  # fmt: skip
         believed = believed_rounds({peer: donor.outer_round for peer, donor in donors.items()})
         for peer in donors.keys() - believed.keys():
             logger.warning("donor %s claims outer round %d, far ahead of the others (not believed)", peer,
@@ -276,12 +277,12 @@ class StateServer:
         order = sorted(believed, key=lambda peer: (believed[peer], random.random()), reverse=True)
         return [donors[peer] for peer in order]
 
-    def _download_from(self, donor: DonorRecord, timeout_s: float, unreachable: set[str]) -> SwarmState | None:
+    def _download_from(self, donor: DonorRecord, timeout_s: float, failed: set[str]) -> SwarmState | None:
         try:
             tensors = self._averager.fetch_state(donor.peer_id, self._max_bytes, timeout_s)
         except Exception as error:  # a failed download is an expected event in a churning swarm
             logger.warning("state download from %s failed: %s", donor.peer_id, error or type(error).__name__)
-            unreachable.add(donor.peer_id)
+            failed.add(donor.peer_id)
             return None
         try:
             digest = payload_digest(list(tensors))
@@ -295,6 +296,7 @@ class StateServer:
             return state
         except (ValueError, TypeError) as error:
             logger.warning("rejected the state downloaded from %s: %s", donor.peer_id, error)
+            failed.add(donor.peer_id)
             return None
 
     def _validated(self, tensors: Sequence[torch.Tensor]) -> SwarmState:
