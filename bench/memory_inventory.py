@@ -61,7 +61,8 @@ def inventory(plan: RoundPlan, weight_bytes: int = FP32) -> list[Copy]:
     lossy = plan.payload is Payload.PSEUDO_GRADIENT
     s = in_flight_share(plan)
     children = forked_children(plan)
-    sent = {Payload.PROPOSAL_WITH_MOMENTUM: "φ'_p and m'_p", Payload.PROPOSAL: "φ'_p, and its own m'_p",
+    m = 1 if plan.keeps_momentum else 0  # at outer momentum 0 no m exists anywhere (rounds.py)
+    sent = {Payload.PROPOSAL_WITH_MOMENTUM: "φ'_p and m'_p", Payload.PROPOSAL: "φ'_p" + (", and its own m'_p" * m),
             Payload.PSEUDO_GRADIENT: "Δ_p (+ error feedback)"}[plan.payload]  # fmt: skip
     return [
         Copy("θ (the model's parameters)", "main", "persistent", weight_bytes, "model.py:load_model", bare=True),
@@ -70,7 +71,8 @@ def inventory(plan: RoundPlan, weight_bytes: int = FP32) -> list[Copy]:
         Copy("AdamW exp_avg and exp_avg_sq", "main", "persistent", 2 * weight_bytes,
              "inner.py:InnerTrainer.__init__ (torch.optim.AdamW, allocated at the first step)", bare=True),
         Copy("φ (global parameters)", "main", "persistent", FP32, "rounds.py:RoundEngine.__init__ (copy of θ)"),
-        Copy("m (outer momentum)", "main", "persistent", FP32, "rounds.py:RoundEngine.__init__ (zeros_like φ)"),
+        Copy("m (outer momentum; none at momentum 0)", "main", "persistent", FP32 * m,
+             "rounds.py:RoundEngine._kept_momentum (zeros_like φ)"),
         Copy(f"fragment-round averagers' buffers ({plan.payload.copies}× the fragments, P={len(plan.fragments)})",
              "shared memory: main + each averager", "persistent", FP32 * plan.payload.copies,
              "averaging.py:OuterAverager.__init__ (zeros_like of plan.py:RoundPlan.round_templates; hivemind "
@@ -78,8 +80,8 @@ def inventory(plan: RoundPlan, weight_bytes: int = FP32) -> list[Copy]:
         Copy("consensus averagers' buffers (φ_p flat per fragment)", "shared memory: main + each consensus averager",
              "persistent", FP32 if plan.consensus else 0.0,
              "peer.py:run_peer ← plan.py:RoundPlan.consensus_templates (lossy codecs only)"),
-        Copy("state server's served copy (φ and m)", "shared memory: main + the state server", "persistent",
-             2 * FP32, "state_sync.py:StateServer.__init__ (buffers), StateServer.publish (copy_ into them)"),
+        Copy("state server's served copy (φ, and m)", "shared memory: main + the state server", "persistent",
+             FP32 * (1 + m), "state_sync.py:StateServer.__init__ (buffers), StateServer.publish (copy_ into them)"),
         Copy("error-feedback residuals", "main", "persistent", FP32 if plan.error_feedback else 0.0,
              "compression.py:ErrorFeedback.update ← streaming.py:FragmentRounds.mark_sent (lossy codecs)"),
         Copy(f"the main process's pages inherited at each fork: θ, AdamW state, φ, m, freed buffer templates "
@@ -87,18 +89,19 @@ def inventory(plan: RoundPlan, weight_bytes: int = FP32) -> list[Copy]:
              "forking.py:dropped_in_forked_children (malloc_trim before the fork, MADV_DONTNEED in the child) ← "
              "peer.py:unit_in_swarm"),
         Copy("θ_p at send", "main", "in flight", FP32 * s, "rounds.py:RoundEngine._begin (fragments.py:copies)"),
-        Copy(f"payload sent: {sent}", "main", "in flight", FP32 * s * (1 if lossy else 2),
+        Copy(f"payload sent: {sent}", "main", "in flight", FP32 * s * (1 if lossy else 1 + m),
              "streaming.py:FragmentRounds.payload, held by averaging.py:_PendingRound.proposal and "
              "streaming.py:SentRound.momentum_proposal"),
-        Copy("φ_p, m_p and Δ_p copies" + (", the unused proposal φ'_p, m'_p" if lossy else ""), "main", "momentary",
-             FP32 * s * (5 if lossy else 3),
+        Copy(("φ_p, m_p and Δ_p copies" if m else "φ_p and Δ_p copies") + (", the unused proposal" if lossy else ""),
+             "main", "momentary",
+             FP32 * s * ((3 + 2 * m) if lossy else 2 + m),
              "streaming.py:FragmentRounds.payload (fragments.py:copies, diloco.py:pseudo_gradient, outer_step)"),
         Copy("decoded payload (lossy: what receivers decode, to update the residuals)", "main", "momentary",
              FP32 * s if plan.error_feedback else 0.0,
              "streaming.py:FragmentRounds.mark_sent (compression.py:roundtrip)"),
         Copy("merge: φ_p copy (plausibility check), θ_p copy, merged θ_p" + (", the outer step's φ_p, m_p"
                                                                              if lossy else ""),
-             "main", "momentary", FP32 * s * (5 if lossy else 3),
+             "main", "momentary", FP32 * s * ((4 + m) if lossy else 3),
              "rounds.py:RoundEngine._end, _merge (diloco.py:merge_local_progress, distance)"),
         Copy("eval: θ saved while φ is loaded", "main", "momentary", weight_bytes,
              "inner.py:InnerTrainer.parameters_swapped ← unit.py:LearningUnit._evaluate"),
@@ -116,9 +119,10 @@ def inventory(plan: RoundPlan, weight_bytes: int = FP32) -> list[Copy]:
              FP32 * s * plan.payload.copies, "averaging.py:OuterAverager.poll (buffer.clone)"),
         Copy("all-reduce: one averaged tensor at a time and per-part buffers", "each averager", "not alone",
              0.0, "hivemind averaging/partition.py:TensorPartContainer.iterate_output_tensors (torch.cat per tensor)"),
-        Copy("serving a joiner: a snapshot of φ and m", "the state server", "not alone", 2 * FP32,
+        Copy("serving a joiner: a snapshot of φ (and m)", "the state server", "not alone", FP32 * (1 + m),
              "state_sync.py:_SnapshotAverager.get_current_state (clone)"),
-        Copy("joining by download: φ and m through the pipe, then validated clones", "main", "not alone", 4 * FP32,
+        Copy("joining by download: φ (and m) through the pipe, then validated clones", "main", "not alone",
+             2 * FP32 * (1 + m),
              "state_sync.py:_SnapshotAverager.fetch_state, StateServer._validated"),
         Copy("export with --save-dir: θ saved, safetensors bytes", "main", "not alone", weight_bytes + FP32,
              "unit.py:LearningUnit.finish → model.py:export_pretrained"),

@@ -57,10 +57,13 @@ def outer_step(
     """One SGD step (PyTorch's convention, Nesterov optional) on φ with gradient Δ; returns new (φ, m).
 
     m' = μ·m + Δ;  φ' = φ − lr·(Δ + μ·m') with Nesterov, φ' = φ − lr·m' without.
-    Inputs are not modified.
+    At μ = 0 no momentum needs to exist (a unit keeps none): an empty ``momentum`` gives φ' = φ − lr·Δ and an empty m'.
+    Inputs are not modified. Raises ValueError for lists that do not match (an empty momentum at μ > 0 included).
     """
-    _check_same_shapes(global_params, momentum)
     _check_same_shapes(global_params, pseudo_grad)
+    if not momentum and hyper.momentum == 0:
+        return [phi - hyper.lr * g for phi, g in zip(global_params, pseudo_grad)], []
+    _check_same_shapes(global_params, momentum)
     new_momentum = [hyper.momentum * m + g for m, g in zip(momentum, pseudo_grad)]
     if hyper.nesterov:
         updates = [g + hyper.momentum * m for g, m in zip(pseudo_grad, new_momentum)]

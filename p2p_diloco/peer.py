@@ -112,7 +112,8 @@ def unit_in_swarm(
         averagers = new_averagers(keys.fragment_round, plan.round_templates(trained), plan.codec)
         consensus = plan.consensus_templates() if plan.consensus else []
         consensus_averagers = new_averagers(keys.consensus_round, consensus, "fp32")
-        state_server = StateServer(dht, keys.state(), trained, records, fragments=len(plan.fragments), gate=gate)
+        state_server = StateServer(dht, keys.state(), trained, records, fragments=len(plan.fragments), gate=gate,
+                                   momentum=plan.keeps_momentum)  # fmt: skip
         owned.callback(state_server.shutdown)
         settle = functools.partial(_settle_averager, dht, plan, gate.shunning_suspects(), keys.settle())
         network = UnitNetwork(averagers, consensus_averagers, state_server, records, peer_id, settle)

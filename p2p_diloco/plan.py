@@ -131,6 +131,11 @@ class RoundPlan:
         return self.consensus_every_rounds > 0
 
     @property
+    def keeps_momentum(self) -> bool:
+        """Whether units keep an outer momentum m: at momentum 0 it would never be read, so none exists (rounds.py)."""
+        return self.hyper.momentum > 0
+
+    @property
     def mixes(self) -> bool:
         """Whether a mix round follows each fragment round (clock schedule, fp32 proposals; module docstring)."""
         return self.schedule == "clock" and self.payload is not Payload.PSEUDO_GRADIENT

@@ -1,9 +1,10 @@
 """The engine that runs a unit's outer rounds (:class:`RoundEngine`) by its plan (plan.py: :class:`RoundPlan`, derived
 once from ``[outer]``, and the key schema of where units meet), and the typed results it returns.
 
-The engine owns φ, the outer momentum m, every fragment's round bookkeeping, the in-flight bound, the consensus queue
-and the matchmaking window. It never does I/O and never waits (but in :meth:`RoundEngine.drain`, bounded, at exit):
-it returns typed results, and the learning unit does the I/O they call for. The calling loop::
+The engine owns φ, the outer momentum m (none at all at momentum 0: it would never be read), every fragment's round
+bookkeeping, the in-flight bound, the consensus queue and the matchmaking window. It never does I/O and never waits
+(but in :meth:`RoundEngine.drain`, bounded, at exit): it returns typed results, and the learning unit does the I/O
+they call for. The calling loop::
 
     engine = RoundEngine(plan, averagers, consensus_averagers, local=trainer.params)
     while training:
@@ -170,7 +171,8 @@ class RoundEngine:
 
     ``averagers`` has one averager per fragment of ``plan``; ``consensus_averagers`` one more per fragment exactly
     when ``plan.consensus``. ``local`` are the trained tensors θ: read when a round is sent, written when it merges.
-    φ starts as a copy of θ and m at zero. Raises ValueError when the averagers do not match the plan.
+    φ starts as a copy of θ and m at zero (or as none, at momentum 0). Raises ValueError when the averagers do not
+    match the plan.
     """
 
     def __init__(
@@ -190,7 +192,7 @@ class RoundEngine:
         self.local = list(local)
         self.global_params: Tensors = [tensor.detach().to(device="cpu", dtype=torch.float32, copy=True)
                                        for tensor in self.local]  # fmt: skip
-        self.momentum: Tensors = [torch.zeros_like(tensor) for tensor in self.global_params]
+        self.momentum: Tensors = self._kept_momentum(())
         total = sum(fragment.numel for fragment in plan.fragments)
         self.fragments = [self._fragment_rounds(fragment, fragment.numel / total) for fragment in plan.fragments]
         self.probe_indices = [consensus_probe_indices(views(self.global_params, f)) for f in plan.fragments]
@@ -255,11 +257,20 @@ class RoundEngine:
         """Adopt φ, m and per-fragment rounds (a downloaded state or a checkpoint; θ is the caller's). A list of
         rounds for another number of fragments sets every fragment to its smallest value."""
         self.global_params = [tensor.detach().to(device="cpu", dtype=torch.float32) for tensor in global_params]
-        self.momentum = [tensor.detach().to(device="cpu", dtype=torch.float32) for tensor in momentum]
+        self.momentum = self._kept_momentum(momentum)
         if len(fragment_rounds) != len(self.fragments):
             fragment_rounds = [min(fragment_rounds, default=0)] * len(self.fragments)
         for rounds, value in zip(self.fragments, fragment_rounds):
             rounds.outer_round = int(value)
+
+    def _kept_momentum(self, momentum: Sequence[torch.Tensor]) -> Tensors:
+        """m as the engine keeps it: none at momentum 0 (a given m is dropped), else ``momentum`` on the host in fp32,
+        or zeros when none is given (a state or checkpoint of a unit at momentum 0)."""
+        if not self.plan.keeps_momentum:
+            return []
+        if not momentum:
+            return [torch.zeros_like(tensor) for tensor in self.global_params]
+        return [tensor.detach().to(device="cpu", dtype=torch.float32) for tensor in momentum]
 
     def record_step(self, tokens: int, compute_s: float) -> None:
         """Count one inner step toward every fragment's next round."""
@@ -541,7 +552,8 @@ class RoundEngine:
         """φ_p, m_p ← the merged values; θ_p ← φ_p + (θ_p,now − θ_p,sent)."""
         new_params, new_momentum = merged
         assign(self.global_params, rounds.fragment, new_params)
-        assign(self.momentum, rounds.fragment, new_momentum)
+        if new_momentum:
+            assign(self.momentum, rounds.fragment, new_momentum)
         merged_local = merge_local_progress(new_params, copies(self.local, rounds.fragment), sent.local_at_send)
         assign(self.local, rounds.fragment, merged_local)
 

@@ -19,7 +19,9 @@ A joiner trusts no single donor (:meth:`StateServer.download`):
   So a joiner downloads twice whenever two donors answer.
 
 Wire layout of a state: ``[*global_params, *momentum, counters]`` where ``counters`` is a float64 tensor
-``[format, inner_step, tokens, *fragment_rounds]`` (one outer round per streaming fragment).
+``[format, inner_step, tokens, *fragment_rounds]`` (one outer round per streaming fragment); a unit at outer momentum 0
+keeps no momentum and serves ``[*global_params, counters]`` (rounds.py). A joiner takes either layout: a unit that
+keeps a momentum starts from zeros when the state has none, one that keeps none drops what it got.
 
 A download serves one publication whole: :class:`_SnapshotAverager` hands hivemind a copy of the state taken under
 its tensors' lock, so a publication that lands while a peer streams the state cannot mix two rounds' tensors.
@@ -153,7 +155,8 @@ class _SnapshotAverager(GatedAverager):
 class StateServer:
     """Publishes this unit's consensus state to the swarm and downloads other units' states (see the module
     docstring); serves only members of the run when ``gate`` says so (default: everyone). ``donors`` holds the
-    signed donor records; ``peer_id`` is this unit's (it never downloads from itself).
+    signed donor records; ``peer_id`` is this unit's (it never downloads from itself). ``momentum``: whether this
+    unit's states carry an outer momentum (the server holds one copy of φ, and of m only then).
 
     Owns a hivemind averager process; call :meth:`shutdown` to stop it.
     """
@@ -167,12 +170,17 @@ class StateServer:
         fragments: int = 1,
         request_timeout_s: float = 3.0,
         gate: MemberGate | None = None,
+        momentum: bool = True,
     ):
         self._shapes = [tuple(tensor.shape) for tensor in template]
         self._fragments, self._prefix, self._donors = fragments, prefix, donors
         self._peer_id = str(dht.peer_id)
-        buffers = [torch.zeros(shape) for shape in self._shapes * 2] + [torch.zeros(3 + fragments, dtype=torch.float64)]
-        self._max_bytes = sum(buffer.numel() * buffer.element_size() for buffer in buffers) + STREAM_SLACK_BYTES
+        self._momentum = momentum
+        counters = torch.zeros(3 + fragments, dtype=torch.float64)
+        buffers = [torch.zeros(shape) for shape in self._shapes * (2 if momentum else 1)] + [counters]
+        # a download may carry a momentum whether or not this unit keeps one
+        largest = 2 * sum(math.prod(shape) for shape in self._shapes) * 4 + counters.numel() * counters.element_size()
+        self._max_bytes = largest + STREAM_SLACK_BYTES
         self._declaring: threading.Thread | None = None
         self._averager = _SnapshotAverager(
             gate=gate if gate is not None else MemberGate.everyone(),
@@ -192,9 +200,12 @@ class StateServer:
         the first publication. The copy is made before this returns; its SHA-256 and the donor record are made by a
         background thread (hashing a SmolLM2 state takes about 1 s), which the next publication waits for. Until that
         record is out, a joiner that downloads finds the previous record's SHA-256 and moves on to another donor.
-        Raises ValueError when it has another number of fragment rounds than this server was made for."""
+        Raises ValueError when it has another number of fragment rounds than this server was made for, or a momentum
+        where it was made for none (or none where it was made for one)."""
         if len(state.fragment_rounds) != self._fragments:
             raise ValueError(f"expected {self._fragments} fragment rounds, got {len(state.fragment_rounds)}")
+        if len(state.momentum) != (len(self._shapes) if self._momentum else 0):
+            raise ValueError(f"a state with {len(state.momentum)} momentum tensors (momentum kept: {self._momentum})")
         self._wait_for_declaration()
         with self._averager.get_tensors() as buffers:
             for buffer, tensor in zip(buffers, [*state.global_params, *state.momentum]):
@@ -301,8 +312,8 @@ class StateServer:
 
     def _validated(self, tensors: Sequence[torch.Tensor]) -> SwarmState:
         count = len(self._shapes)
-        if len(tensors) != 2 * count + 1:
-            raise ValueError(f"expected {2 * count + 1} tensors, got {len(tensors)}")
+        if len(tensors) not in (count + 1, 2 * count + 1):
+            raise ValueError(f"expected {count + 1} or {2 * count + 1} tensors, got {len(tensors)}")
         for index, tensor in enumerate(tensors[:-1]):
             if not isinstance(tensor, torch.Tensor) or tensor.dtype != torch.float32:
                 raise ValueError(f"tensor {index} is not float32")
@@ -324,7 +335,7 @@ class StateServer:
                 raise ValueError(f"invalid {name} {value}")
         return SwarmState(
             global_params=[tensor.clone() for tensor in tensors[:count]],
-            momentum=[tensor.clone() for tensor in tensors[count : 2 * count]],
+            momentum=[tensor.clone() for tensor in tensors[count:-1]],
             fragment_rounds=[int(value) for value in rounds],
             inner_step=int(inner_step),
             tokens=int(tokens),

@@ -62,7 +62,8 @@ class SentRound:
     """A fragment round in flight: θ_p when it was sent and what it carries."""
 
     local_at_send: Tensors
-    momentum_proposal: Tensors  # proposal payload without sync_momentum: the unit's own m'_p (RDA: m_p before it)
+    # proposal payload without sync_momentum: the unit's own m'_p (RDA: m_p before it); empty at μ = 0
+    momentum_proposal: Tensors
     tokens: int
     compute_s: float
     inner_step: int
@@ -106,7 +107,7 @@ class FragmentRounds:
                 local_at_send: Tensors, hyper: OuterHyperparams) -> tuple[Tensors, Tensors, float]:  # fmt: skip
         """The tensors to average for this fragment, the unit's own momentum proposal (proposal payload) and the norm
         of its own outer step ‖φ'_p − φ_p‖ (on its Δ_p alone)."""
-        phi, moment = copies(global_params, self.fragment), copies(momentum, self.fragment)
+        phi, moment = copies(global_params, self.fragment), _momentum_copies(momentum, self.fragment)
         delta = pseudo_gradient(phi, local_at_send)
         params_proposal, momentum_proposal = outer_step(phi, moment, delta, hyper)
         own_step = distance(params_proposal, phi)
@@ -151,13 +152,19 @@ class FragmentRounds:
                sent: SentRound, hyper: OuterHyperparams) -> tuple[Tensors, Tensors]:  # fmt: skip
         """The fragment's new (φ_p, m_p) from the group's average of the payloads."""
         if self.payload_kind is Payload.PSEUDO_GRADIENT:
-            return outer_step(copies(global_params, self.fragment), copies(momentum, self.fragment), averaged, hyper)
+            moment = _momentum_copies(momentum, self.fragment)
+            return outer_step(copies(global_params, self.fragment), moment, averaged, hyper)
         count = len(self.fragment.pieces)
         phi, rest = averaged[:count], averaged[count:]
         moment, rest = (rest[:count], rest[count:]) if self._synced else (sent.momentum_proposal, rest)
         if self.radial is None:
             return phi, moment
         return outer_step(phi, moment, radial_merge(rest[:count], rest[count], self.radial), hyper)
+
+
+def _momentum_copies(momentum: Sequence[torch.Tensor], fragment: Fragment) -> Tensors:
+    """The fragment's pieces of m, or none when the unit keeps no momentum (μ = 0, rounds.py)."""
+    return copies(momentum, fragment) if momentum else []
 
 
 def consensus_payload(global_params: Sequence[torch.Tensor], fragment: Fragment) -> torch.Tensor:

@@ -55,6 +55,18 @@ def test_outer_step_matches_torch_sgd_over_several_steps(lr: float, momentum: fl
             _assert_lists_close(m, [sgd.state[parameter]["momentum_buffer"] for parameter in reference], atol=1e-13)
 
 
+@pytest.mark.parametrize("nesterov", [True, False])
+def test_outer_step_at_momentum_zero_needs_no_momentum(nesterov: bool) -> None:
+    """μ = 0: no momentum in, none out, and φ' as with a zero momentum; at μ > 0 a missing momentum is an error."""
+    phi, delta = _tensors(1), _tensors(3)
+    hyper = OuterHyperparams(lr=0.7, momentum=0.0, nesterov=nesterov)
+    new_phi, new_m = outer_step(phi, [], delta, hyper)
+    assert new_m == []
+    _assert_lists_close(new_phi, outer_step(phi, [torch.zeros_like(t) for t in phi], delta, hyper)[0], atol=0.0)
+    with pytest.raises(ValueError, match="differ in length"):
+        outer_step(phi, [], delta, OuterHyperparams(lr=0.7, momentum=0.9, nesterov=nesterov))
+
+
 def test_outer_step_does_not_modify_inputs() -> None:
     phi, m, delta = _tensors(1), _tensors(2), _tensors(3)
     copies = [[t.clone() for t in tensors] for tensors in (phi, m, delta)]

@@ -54,15 +54,16 @@ def test_stop_leftovers_kills_what_outlived_its_run() -> None:
 
 
 def test_inventory_counts_the_persistent_copies_of_each_plan() -> None:
-    default = plan()  # a plain average: proposals without momentum, 3 forked children
+    default = plan()  # a plain average: proposals at momentum 0 (no m kept), 3 forked children
     assert forked_children(default) == 3
-    assert predicted(inventory(default))["persistent"] == 4 + 4 + 4 + 8  # the children keep nothing
+    default_bytes = predicted(inventory(default))
+    assert default_bytes["persistent"] == 4 + 4 + 4 and default_bytes["in_flight"] == 8  # φ, averager, state server
     synced = predicted(inventory(plan(outer_momentum=0.9)))
     assert synced["persistent"] == 4 + 4 + 8 + 8 and synced["in_flight"] == 12
     lossy = plan(codec="fp16", fragments=4)  # consensus averagers and error feedback; 2 of 4 fragments in flight
     assert forked_children(lossy) == 10
     assert predicted(inventory(lossy)) == pytest.approx(
-        {"persistent": 4 + 4 + 4 + 4 + 8 + 4, "in_flight": 4, "momentary": 10, "peak_low": 32, "peak_high": 42}
+        {"persistent": 4 + 4 + 4 + 4 + 4, "in_flight": 4, "momentary": 8, "peak_low": 24, "peak_high": 32}
     )
 
 
@@ -87,6 +88,6 @@ def test_markdown_puts_the_command_first_and_a_row_per_run() -> None:
     table = markdown(report)
     assert table.startswith("Reproduce with:\n\n```\npython scripts/memory.py --out x\n```")
     assert "| m | 1.05 M | bare loop |  |  | 8 | 8.0 |" in table
-    assert "| m | 1.05 M | P4 | `--fragments 4` | 20 | 12 | 12.0 | +4.0 | 32–44 |" in table
+    assert "| m | 1.05 M | P4 | `--fragments 4` | 20 | 12 | 12.0 | +4.0 | 20–32 |" in table
     assert "Fewer inner steps than --max-steps m P4: stopped by SIGTERM" in table
-    assert "| **predicted excess: persistent** | | | | 20 |" in table
+    assert "| **predicted excess: persistent** | | | | 12 |" in table

@@ -134,3 +134,26 @@ def test_a_lone_donor_is_taken_and_a_state_unlike_its_declaration_is_not(
         time.sleep(0.2)
     assert joiner.download(timeout_s=10.0) is None
     assert "differs from the one the donor declared" in caplog.text
+
+
+def test_units_at_momentum_zero_serve_phi_alone_and_a_unit_with_momentum_takes_it(caplog) -> None:
+    """A unit at outer momentum 0 keeps no momentum (rounds.py) and serves [φ, counters]; two such donors corroborate
+    each other, and a joiner that keeps a momentum takes their φ with none (its engine starts m at zero)."""
+    with record_peers(3) as peers:
+        template = [torch.zeros(s) for s in SHAPES]
+        made = [StateServer(peer.dht, KEY, template, peer, momentum=index == 2) for index, peer in enumerate(peers)]
+        try:
+            *donors, joiner = made
+            with pytest.raises(ValueError, match="momentum tensors"):
+                donors[0].publish(state(0.5, 7))  # a momentum where the server keeps none
+            for donor in donors:
+                donor.publish(SwarmState(state(0.5, 7).global_params, [], [7], inner_step=70, tokens=4480))
+            caplog.set_level("INFO", logger="p2p_diloco.state_sync")
+            downloaded = download_until(joiner, found=2)
+            assert downloaded is not None and downloaded.momentum == [] and phi_value(downloaded) == 0.5
+            assert "corroborated" in caplog.text
+            served = donors[0]._averager.get_current_state()[1]
+            assert [tuple(tensor.shape) for tensor in served] == [*SHAPES, (4,)]  # one copy of φ and the counters
+        finally:
+            for server in made:
+                server.shutdown()

@@ -293,6 +293,32 @@ def test_join_adopts_the_swarm_state_of_a_later_round(make_peer: PeerFactory) ->
     assert a.events(StateDownload)[-1].outer_round == 7
 
 
+def test_a_unit_at_momentum_zero_keeps_serves_and_checkpoints_no_momentum(make_peer: PeerFactory) -> None:
+    """At outer momentum 0, m would never be read: the unit holds none (4 bytes per parameter less, and as many in its
+    state server), merges rounds without it, checkpoints and serves none, and drops a downloaded state's momentum."""
+    donor = make_peer("donor", FakeGroup())  # keeps a momentum (0.9)
+    served = SwarmState(clone_all(donor.unit.engine.global_params),
+                        [torch.ones_like(t) for t in donor.unit.engine.global_params], [4], 0, 0)  # fmt: skip
+    records = FakeRecords({"donor": progress("donor", 4, donor.unit.loaded.fingerprint)})
+    a = make_peer("a", FakeGroup(), records=records, served=served, outer__outer_momentum=0.0)
+    assert a.unit.engine.momentum == []
+    assert a.unit.join() == "swarm" and a.unit.engine.momentum == []
+    phi = clone_all(a.unit.engine.global_params)
+    train_until_round(a)
+    theta = clone_all(a.unit.engine.fragments[0].sent.local_at_send)
+    assert a.unit.engine.fragments[0].sent.momentum_proposal == []
+    assert poll(a)  # alone: φ ← its own proposal φ − lr·(φ − θ)
+    lr = a.unit.engine.plan.hyper.lr
+    assert_all_close(a.unit.engine.global_params, [p - lr * (p - t) for p, t in zip(phi, theta)])
+    assert a.unit.engine.momentum == [] and a.state_server.published[-1].momentum == []
+    a.unit.save()
+    checkpoint = load_checkpoint(a.unit.checkpoint_path)
+    assert checkpoint is not None and checkpoint["momentum"] == []
+    with_momentum = make_peer("a", FakeGroup())  # the same work dir, now at momentum 0.9: m starts at zero
+    assert with_momentum.unit.join() == "checkpoint"
+    assert_all_equal(with_momentum.unit.engine.momentum, [torch.zeros_like(t) for t in phi])
+
+
 def test_join_alone_starts_from_the_initial_weights(make_peer: PeerFactory) -> None:
     a = make_peer("a", FakeGroup())
     initial = clone_all(a.unit.engine.global_params)
