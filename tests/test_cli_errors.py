@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-from swarms import quick_swarm
+from swarms import close_leaving_nothing, quick_swarm
 
 from p2p_diloco.events import Join
 from p2p_diloco.presets import CORPUS, TINY_MODEL
@@ -133,7 +133,7 @@ def test_peer_with_another_model_is_refused(tmp_path: Path, work_dirs: dict[str,
         assert_untouched(work_dirs)
         assert all(r.group_size == 1 for r in swarm.rounds("member"))
     finally:
-        swarm.close()
+        close_leaving_nothing(swarm)
 
 
 @pytest.mark.parametrize("command", ["bootstrap", "join", "status", "demo"])

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
-from swarms import quick_swarm
+from swarms import close_leaving_nothing, quick_swarm
 
 from bench.swarm import Swarm
 from p2p_diloco.events import Eval, Join, OuterRound, StateDownload
@@ -28,7 +28,7 @@ SPLIT_DRIFT_FLOOR = 1e-3
 def swarm(tmp_path: Path):
     swarm = quick_swarm(tmp_path)
     yield swarm
-    swarm.close()
+    close_leaving_nothing(swarm)
 
 
 def test_demo_trains_three_peers_in_groups(tmp_path: Path) -> None:
@@ -40,7 +40,9 @@ def test_demo_trains_three_peers_in_groups(tmp_path: Path) -> None:
         timeout=240,
         env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"},
     )
-    assert result.returncode == 0, result.stdout + result.stderr
+    logs = "".join(f"\n--- {log}:\n" + "\n".join(log.read_text().splitlines()[-40:])
+                   for log in sorted(tmp_path.glob("run-*/peer*/stdout.log")))  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr + logs  # the units' logs say why groups did not form
     assert "demo succeeded" in result.stdout
     (run_dir,) = tmp_path.glob("run-*")
     assert (run_dir / "summary.md").exists()
