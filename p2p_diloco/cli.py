@@ -67,12 +67,17 @@ def _bootstrap(args: argparse.Namespace) -> int:
 
 def _join(args: argparse.Namespace) -> int:
     from p2p_diloco.lifecycle import (
+        die_with_launcher,
         ensure_fork_start_method,
         install_stop_signals,
+        launched,
         start_orphan_reaper,
     )
+
+    if launched():
+        die_with_launcher()  # before the heavy imports: a rank never outlives its launcher
     from p2p_diloco.peer import run_peer
-    from p2p_diloco.ranks import launch_ranks, launched
+    from p2p_diloco.ranks import launch_ranks
 
     config = load_config(args)
     if config.run.nproc_per_node > 1 and not launched():

@@ -10,6 +10,8 @@ SIGKILLs that group once the main process is gone, whatever the cause. Run as
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
 import logging
 import multiprocessing as mp
 import os
@@ -25,12 +27,36 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 REAPER_POLL_S = 0.1
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 SOCKET_SCAN_EVERY = 20
 _HIVEMIND_SOCKET_PREFIX = "/tmp/hivemind-"
 _P2PD_SOCKET_RE = re.compile(r"-listen=/unix(/tmp/hivemind-p2pd-([A-Za-z0-9_-]+)\.sock)")
 _stop_event = threading.Event()
 _children_pgid: int | None = None
 _signals_installed = False
+
+
+def launched() -> bool:
+    """True in a process that torch's elastic launcher started (it is one rank of a unit)."""
+    return "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
+
+
+def die_with_launcher() -> None:
+    """Make the kernel SIGKILL this process (a rank) as soon as its parent, torch's elastic launcher, is gone
+    (``PR_SET_PDEATHSIG``): a SIGKILLed launcher, the top process of a unit of several ranks, then takes its ranks
+    with it, as a unit's main process takes its hivemind children (rank 0's watchdog then removes those). A rank
+    whose launcher is already gone kills itself. Call it first thing in a rank. Off Linux nothing happens, and the
+    ranks of a SIGKILLed launcher train on as orphans until a collective between them fails."""
+    libc_name = ctypes.util.find_library("c")
+    if not sys.platform.startswith("linux") or libc_name is None:
+        return
+    parent = os.getppid()
+    libc = ctypes.CDLL(libc_name, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        logger.warning("could not tie this rank to its launcher: %s", os.strerror(ctypes.get_errno()))
+        return
+    if parent == 1 or os.getppid() != parent:  # the launcher died before the tie was made
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def ensure_fork_start_method() -> None:

@@ -37,6 +37,7 @@ from torch.nn.parallel import DistributedDataParallel
 from p2p_diloco.diloco import consensus_probe, consensus_probe_indices
 from p2p_diloco.errors import UserError
 from p2p_diloco.inner import InnerTrainer
+from p2p_diloco.lifecycle import launched
 
 logger = logging.getLogger(__name__)
 
@@ -46,11 +47,6 @@ PROCESS_GROUP_TIMEOUT = timedelta(minutes=10)  # rank 0's longest pause between 
 
 class RanksLost(UserError):
     """A collective between the unit's ranks failed; the launcher restarts the unit."""
-
-
-def launched() -> bool:
-    """True in a process that torch's elastic launcher started (it is one rank of a unit)."""
-    return "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
 
 
 @dataclass(frozen=True)

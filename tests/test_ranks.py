@@ -1,6 +1,7 @@
 """Learning units of two gloo ranks each (torch's elastic launcher through ``--nproc-per-node 2``), real processes on
 127.0.0.1: rounds between the units, identical θ on a unit's ranks, token weights of all ranks, and a rank SIGKILLed
-(the launcher restarts its unit, which rejoins from the swarm while the other unit trains on)."""
+(the launcher restarts its unit, which rejoins from the swarm while the other unit trains on), and the launcher
+SIGKILLed (its ranks go with it)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from swarms import QUICK_UNIT_FLAGS, close_leaving_nothing, quick_swarm
 
 from bench.swarm import Swarm
 from p2p_diloco.events import Eval, Join, OuterRound, OuterRoundBegin, ReplicaProbe, read_events
-from p2p_diloco.lifecycle import descendant_pids
+from p2p_diloco.lifecycle import descendant_pids, is_running
 
 pytestmark = pytest.mark.swarm
 
@@ -90,3 +91,9 @@ def test_units_of_two_ranks_average_and_a_killed_rank_restarts_its_unit(swarm: S
     lead, follower = replica_probes(swarm, "b", 0, killed_at), replica_probes(swarm, "b", 1, killed_at)
     shared = set(lead) & set(follower)
     assert shared and all(lead[step] == follower[step] for step in shared)  # the restarted ranks share θ again
+
+    # SIGKILL of the launcher alone (the unit's top process): its ranks and their hivemind processes go with it
+    tree = swarm.kill_main_process("b")
+    assert len(tree) >= 7, tree  # two ranks; rank 0's watchdog, DHT, averagers, state server and p2pd
+    swarm.wait_for(lambda: not any(is_running(pid) for pid in tree), timeout_s=15,
+                   what="b's ranks and their processes to exit after their launcher")  # fmt: skip
