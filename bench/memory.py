@@ -72,7 +72,8 @@ class ModelSpec:
 
 
 def models(smollm2_dir: Path = SMOLLM2_DIR) -> dict[str, ModelSpec]:
-    """The measured models: the tiny preset, and SmolLM2-135M from a plain Hugging Face folder (ASSETS.md)."""
+    """The measured models: the tiny preset, and SmolLM2-135M from a plain Hugging Face folder (scripts/smollm2_fp32.py
+    writes it from the GGUF of ASSETS.md)."""
     return {
         "tiny": ModelSpec(("--preset", "tiny"), steps=100),
         "smollm2-135m": ModelSpec(
