@@ -1,4 +1,5 @@
-"""Process ownership of a peer: children process group, orphan reaper, stop signals, fork start method.
+"""Process ownership of a peer: children process group, orphan reaper, ranks tied to their launcher, stop signals,
+fork start method.
 
 hivemind runs the DHT and the averager in forked processes, each of which spawns a ``p2pd`` daemon. If the main
 process is SIGKILLed they keep serving the swarm as orphans. A peer therefore starts a watchdog
