@@ -122,10 +122,14 @@ class GatedAverager(hivemind.DecentralizedAverager):
                                         group_id=group_id, ordered_peer_ids=group_info.peer_ids,
                                         on_verdicts=self._judge, **kwargs)  # fmt: skip
         self._running_groups[group_id].set_result(runner)
-        async for tensor, update in azip(as_aiter(*tensors), runner):
-            tensor.add_(update, alpha=self._averaging_alpha)
-            self.last_updated = get_dht_time()
-            self._state_updated.set()
+        try:
+            async for tensor, update in azip(as_aiter(*tensors), runner):
+                tensor.add_(update, alpha=self._averaging_alpha)
+                self.last_updated = get_dht_time()
+                self._state_updated.set()
+        except BaseException as error:  # a timeout cancels this: hivemind finalizes the runner only once its
+            runner.finalize(exception=error)  # generator is collected; the members waiting on this unit learn now
+            raise
 
     def _judge(self, verdicts: dict[PeerID, SenderVerdict]) -> None:
         """Log the members whose parts this unit clipped, capped or dropped or whose averages it replaced; refuse a

@@ -9,7 +9,8 @@ combined once every live sender's part arrived. Each averaged part another membe
 what this unit sent it) must have the shape sent, be finite, and have an RMS of at most OFFENCE_RELATIVE × that of
 the slice sent to that member; an implausible one is replaced by zeros (this unit keeps its own values of that part,
 as hivemind does for a reducer that failed), the others are used. The exchange on the wire is unchanged (no extra
-bytes); the cost is buffering one slice of every sender and a median over them.
+bytes); the cost is buffering one slice of every sender and a median over them. An all-reduce that ends with parts
+missing (a timeout, a member gone) logs which members did not send their parts or return their averages.
 """
 
 from __future__ import annotations
@@ -173,6 +174,30 @@ class BoundedAllReduceRunner(AllReduceRunner):
             register(peer_index, part_index, delta)
 
         self.tensor_part_container.register_processed_part = register_plausible
+        self._returned_before_failing: dict[int, int] = {}  # reducer index → averaged parts it had returned
+        register_failed = self.tensor_part_container.register_failed_reducer
+
+        def count_then_fill_in(peer_index: int) -> None:  # hivemind fills the rest in with this unit's own values
+            returned = self.tensor_part_container._outputs_registered_by_peer[peer_index]
+            self._returned_before_failing.setdefault(peer_index, returned)
+            register_failed(peer_index)
+
+        self.tensor_part_container.register_failed_reducer = count_then_fill_in
+
+    def _missing_parts(self) -> str:
+        """Which members sent this unit fewer parts of its slice than the slice has, and which reducers returned
+        fewer averaged parts than this unit sent them (empty when nothing is missing)."""
+        container, reducer = self.tensor_part_container, self.tensor_part_reducer
+        said = [f"{peer} sent {received} of {reducer.num_parts} parts of this unit's slice"
+                for peer, received in zip(self.sender_peer_ids, reducer.num_parts_received)
+                if received < reducer.num_parts]  # fmt: skip
+        for index, peer in enumerate(self.ordered_peer_ids):
+            registered = container._outputs_registered_by_peer[index]  # hivemind's own values fill in for a failure
+            returned = self._returned_before_failing.get(index, registered)
+            expected = container.num_parts_by_peer[index]
+            if peer != self.peer_id and returned < expected:
+                said.append(f"{peer} returned {returned} of {expected} averaged parts")
+        return "; ".join(said)
 
     def _sent_part(self, peer_index: int, part_index: int) -> torch.Tensor:
         part: torch.Tensor = self.tensor_part_container._input_parts_by_peer[peer_index][part_index][0]
@@ -193,9 +218,13 @@ class BoundedAllReduceRunner(AllReduceRunner):
         return self._sent_rms[peer_index] == 0 or rms <= OFFENCE_RELATIVE * self._sent_rms[peer_index]
 
     def finalize(self, *, cancel: bool = False, exception: BaseException | None = None) -> None:
-        """hivemind's, then the verdicts go to ``on_verdicts`` (once, however the all-reduce ended)."""
+        """hivemind's, then the verdicts go to ``on_verdicts`` (once, however the all-reduce ended); the members whose
+        parts or averages did not all arrive are logged by peer id (hivemind logs only a percentage)."""
         first = not self._future.done()
+        missing = self._missing_parts() if first else ""
         super().finalize(cancel=cancel, exception=exception)
+        if missing:
+            logger.warning("all-reduce ended with parts missing: %s", missing)
         if first:
             self._on_verdicts({peer: verdict for peer, verdict in self._verdicts.items()
                                if verdict.parts or verdict.implausible_results})  # fmt: skip

@@ -3,8 +3,10 @@ averager that keeps it is replaced."""
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import replace
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -20,6 +22,8 @@ from p2p_diloco.gated import MAX_OFFENCES, OFFENCE_WINDOW, GatedAverager
 from p2p_diloco.membership import MemberGate
 from p2p_diloco.reducer import OFFENCE_RELATIVE, SenderVerdict
 from p2p_diloco.robust import BoundedMean, bounded_mean
+
+STALL_S = 8.0  # longer than the all-reduce timeout of the stalling test (4 s)
 
 
 @pytest.mark.swarm
@@ -148,6 +152,48 @@ def test_a_round_is_taken_when_most_members_declared_this_units_tag_so_one_membe
     assert not outcome(("settle", "x")).tags_agree  # two members: nothing tells which one lies
     assert not outcome(("x", "settle", "settle")).tags_agree  # this unit is the odd one out
     assert outcome(("settle",)).tags_agree and outcome(()).tags_agree
+
+
+@pytest.mark.swarm
+def test_an_all_reduce_with_parts_missing_names_the_members_that_did_not_deliver(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Three averagers, the third of which stalls while it reduces its slice: the honest members' all-reduce ends at
+    its timeout, and each logs the third's peer id with the parts it did not send and the averages it did not
+    return (hivemind's own warning gives only a percentage)."""
+    log = tmp_path / "reducer.log"
+    handler = logging.FileHandler(log)  # the forked averager processes inherit it
+    handler.setFormatter(logging.Formatter("%(process)d %(message)s"))
+    logging.getLogger("p2p_diloco.reducer").addHandler(handler)
+    size = 400_000  # several parts of hivemind's 512 KiB: every member reduces a slice
+    try:
+        with record_peers(3) as peers:
+            averagers = [OuterAverager(peer.dht, "missing", [torch.zeros(size)], quorum=1, target_group_size=3,
+                                       allreduce_timeout_s=4) for peer in peers[:2]]  # fmt: skip
+            with monkeypatch.context() as patched:  # only the third averager's process is forked with the patch
+                patched.setattr(reducer, "bounded_mean", stalling_bounded_mean)
+                averagers.append(OuterAverager(peers[2].dht, "missing", [torch.zeros(size)], quorum=1,
+                                               target_group_size=3, allreduce_timeout_s=4))  # fmt: skip
+            stalled = str(averagers[2]._averager.peer_id)
+            try:
+                for averager in averagers:
+                    assert averager.begin_round([torch.ones(size)], weight=1.0, outer_round=0, window_s=3.0)
+                for averager in averagers[:2]:
+                    averager.finish_round(timeout_s=30.0)
+            finally:
+                for averager in averagers:
+                    averager.shutdown()
+    finally:
+        logging.getLogger("p2p_diloco.reducer").removeHandler(handler)
+        handler.close()
+    naming = [line for line in log.read_text().splitlines() if "parts missing" in line and stalled in line]
+    assert len(naming) >= 2, log.read_text()  # both honest members (the stalled one logs its own view)
+    assert any(f"{stalled} returned 0 of" in line for line in naming), naming
+
+
+def stalling_bounded_mean(*args: Any) -> BoundedMean:
+    time.sleep(STALL_S)  # blocks the averager process's event loop: it neither sends nor returns anything meanwhile
+    return bounded_mean(*args)
 
 
 def thousandfold_bounded_mean(*args: Any) -> BoundedMean:
