@@ -212,6 +212,11 @@ class RunSection(_Section):
         1, ge=1, description="ranks of this unit (data-parallel processes, one device each) started by torch's launcher"
     )
     max_restarts: int = Field(3, ge=0, description="with several ranks: restarts of the unit after a rank failed")
+    shard_model: bool = Field(
+        False,
+        description="with several ranks: shard θ, its gradients and AdamW state over them (FSDP), for a model whose "
+        "training state does not fit one device; rank 0 keeps θ whole on the host",
+    )
 
 
 class SwarmSections(_Section):
@@ -235,6 +240,18 @@ class PeerConfig(SwarmSections):
     def _adapter_export(self) -> PeerConfig:
         if self.run.export_adapter and self.model.lora_r is None:
             raise ValueError("--export-adapter needs --lora-r: without adapters there is no adapter to export")
+        return self
+
+    @model_validator(mode="after")
+    def _sharding(self) -> PeerConfig:
+        if not self.run.shard_model:
+            return self
+        if self.run.nproc_per_node < 2:
+            raise ValueError("--shard-model needs --nproc-per-node 2 or more: one rank has nothing to shard over")
+        if self.model.lora_r is not None:
+            raise ValueError("--shard-model does not take --lora-r: adapters are small enough to replicate")
+        if self.model.autocast == "float16":
+            raise ValueError("--shard-model does not take --autocast float16 (no sharded loss scaler): use bfloat16")
         return self
 
 

@@ -28,6 +28,8 @@ from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
+from p2p_diloco.sharding import local_shard
+
 TensorSource = Callable[[], Iterable[torch.Tensor | None]]
 MADV_DONTNEED = 4
 
@@ -82,7 +84,9 @@ def _drop_sources() -> None:
 
 def _drop(tensor: torch.Tensor) -> None:
     """MADV_DONTNEED on the whole pages inside ``tensor``'s storage, when it is private CPU memory. The first bytes
-    after the storage's start are kept (the allocator may keep its bookkeeping there when the block is freed)."""
+    after the storage's start are kept (the allocator may keep its bookkeeping there when the block is freed). A
+    tensor sharded over ranks drops this rank's shard."""
+    tensor = local_shard(tensor)
     if tensor.device.type != "cpu" or tensor.is_shared() or _libc is None:
         return
     storage = tensor.untyped_storage()

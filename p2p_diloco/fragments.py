@@ -36,6 +36,11 @@ class Fragment:
     pieces: tuple[Piece, ...]
     numel: int
 
+    @property
+    def tensor_indices(self) -> list[int]:
+        """The parameters that hold the fragment's pieces, by position."""
+        return sorted({piece.index for piece in self.pieces})
+
 
 def _row_numel(shape: torch.Size | Sequence[int]) -> int:
     return math.prod(shape[1:]) if len(shape) > 0 else 1

@@ -47,7 +47,9 @@ class InnerTrainer:
     ``replica``, the model wrapped in DistributedDataParallel, makes the training forward and backward go through it:
     the gradients are then averaged over the unit's ranks in backward (once per step, at the last micro-batch), and
     a step is skipped when the *averaged* gradients are non-finite, so that every rank decides alike. Evals use the
-    model itself (no collective)."""
+    model itself (no collective). ``sharded``: the model is sharded over the ranks (sharding.py), its backward
+    reduce-scatters the gradients, and the step is skipped when the clipping norm (a collective: the same on every
+    rank) is non-finite; a loss scaler is not supported then, and an eval is a collective (ranks.py)."""
 
     def __init__(
         self,
@@ -56,8 +58,11 @@ class InnerTrainer:
         device: torch.device,
         autocast: torch.dtype | None = None,
         replica: torch.nn.parallel.DistributedDataParallel | None = None,
+        sharded: bool = False,
     ):
         self.model, self.section, self.device, self.autocast, self.replica = model, section, device, autocast, replica
+        self.sharded = sharded
+        assert not (sharded and autocast is torch.float16), "a sharded model has no loss scaler (config.py refuses it)"
         self.scaler = torch.amp.GradScaler(device.type, enabled=autocast is torch.float16)
         self.params = [param for param in model.parameters() if param.requires_grad]
         self.optimizer: torch.optim.Optimizer
@@ -120,7 +125,12 @@ class InnerTrainer:
             total_loss += float(loss.detach()) / self.section.grad_accum
             tokens += input_ids.numel()
         sync_seconds = 0.0
-        if self.replica is not None:  # the gradients were averaged over the ranks
+        if self.sharded:
+            norm = torch.nn.utils.clip_grad_norm_(self.params, self.section.grad_clip)
+            if math.isfinite(float(norm)):
+                self.optimizer.step()
+            update = False  # taken or skipped alike on every rank
+        elif self.replica is not None:  # the gradients were averaged over the ranks
             update = self.scaler.is_enabled() or all_finite([p.grad for p in self.params if p.grad is not None])
         elif synchronize_gradients is None:
             update = math.isfinite(total_loss)
@@ -140,9 +150,14 @@ class InnerTrainer:
             self.scheduler.step()
         return StepStats(total_loss, tokens, time.perf_counter() - started, sync_seconds)
 
-    @torch.no_grad()
     def evaluate(self, batches: Sequence[torch.Tensor]) -> float:
         """Mean loss over held-out batches with the current parameters."""
+        losses = self.batch_losses(batches)
+        return sum(losses) / len(losses)
+
+    @torch.no_grad()
+    def batch_losses(self, batches: Sequence[torch.Tensor]) -> list[float]:
+        """The loss of each of ``batches`` with the current parameters (the model in eval mode meanwhile)."""
         self.model.eval()
         with self._autocast():
             losses = [
@@ -150,7 +165,7 @@ class InnerTrainer:
                 for batch in batches
             ]
         self.model.train()
-        return sum(losses) / len(losses)
+        return losses
 
     def _gradient_sync(self, last_micro_batch: bool) -> contextlib.AbstractContextManager:
         """The replica averages gradients in the backward of a step's last micro-batch only."""
@@ -191,8 +206,9 @@ class InnerTrainer:
 
     def load_state_dict(self, state: dict) -> None:
         """Restore a ``state_dict``; one saved without a loss scaler (or before there was one) keeps the fresh
-        scaler."""
-        self.optimizer.load_state_dict(state["optimizer"])
+        scaler, one without the optimizer's state (a sharded unit's start, ranks.py) keeps the optimizer's."""
+        if state.get("optimizer") is not None:
+            self.optimizer.load_state_dict(state["optimizer"])
         if self.scheduler is not None and state.get("scheduler") is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         if state.get("scaler"):

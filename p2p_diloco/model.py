@@ -101,8 +101,10 @@ def looks_local(name: str) -> bool:
     return "/" in name and Path(name.split("/", 1)[0]).is_dir()
 
 
-def load_model(section: ModelSection, local_rank: int = 0) -> LoadedModel:
-    """Load (``model``) or build (``model_config_path``) the model and its tokenizer, ready to train.
+def load_model(section: ModelSection, local_rank: int = 0, on_host: bool = False) -> LoadedModel:
+    """Load (``model``) or build (``model_config_path``) the model and its tokenizer, ready to train on the device of
+    ``local_rank`` (``on_host``: left on the host, for its caller to shard and move; ``LoadedModel.device`` is still
+    the device).
 
     Raises ModelLoadError (one line) for a missing or unloadable model, config or tokenizer, a tokenizer
     without pad/eos token, a tokenizer larger than the model's vocabulary, or an unavailable device.
@@ -120,7 +122,7 @@ def load_model(section: ModelSection, local_rank: int = 0) -> LoadedModel:
         tokenizer_gguf = None
     tokenizer = _load_tokenizer(tokenizer_source, tokenizer_gguf)
     _check_vocab(model, tokenizer)
-    model = model.to(device=device, dtype=getattr(torch, section.dtype))  # type: ignore[call-arg]  # decorated in transformers
+    model = model.to(device="cpu" if on_host else device, dtype=getattr(torch, section.dtype))  # type: ignore[call-arg]  # decorated in transformers
     if section.gradient_checkpointing:
         _checkpoint_activations(model)
     if section.lora_r is not None:
@@ -153,6 +155,7 @@ def export_pretrained(
     tokenizer: transformers.PreTrainedTokenizerBase,
     save_dir: Path,
     adapter_only: bool = False,
+    state_dict: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """Write ``save_pretrained`` of the model and tokenizer to ``save_dir``; return ``save_dir``.
 
@@ -160,13 +163,13 @@ def export_pretrained(
     on any failure the previous ``save_dir`` (if any) is left untouched, no partial folder remains, and the
     error propagates. GGUF-loaded models (which refuse ``save_pretrained``) are saved as plain weights. A model with
     LoRA adapters is saved merged (a plain model of the base architecture), or with ``adapter_only`` as its adapter
-    alone (adapters.py).
+    alone (adapters.py). ``state_dict``, the weights by name, replaces the model's own (a model sharded over ranks).
     """
     save_dir = Path(save_dir)
     save_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{save_dir.name}.tmp-", dir=save_dir.parent))
     try:
-        _serializable(saveable(model, adapter_only)).save_pretrained(staging)
+        _serializable(saveable(model, adapter_only), state_dict).save_pretrained(staging, state_dict=state_dict)
         tokenizer.save_pretrained(staging)
         _replace_dir(staging, save_dir)
     except BaseException:
@@ -258,8 +261,11 @@ def _load(what: str, name: str, loader: Callable[[], _T]) -> _T:
         ) from error
 
 
-def _serializable(model: transformers.PreTrainedModel) -> transformers.PreTrainedModel:
-    """The model itself, or for a GGUF-loaded one (dequantised, but refusing save_pretrained) a plain copy."""
+def _serializable(
+    model: transformers.PreTrainedModel, state_dict: dict[str, torch.Tensor] | None = None
+) -> transformers.PreTrainedModel:
+    """The model itself, or for a GGUF-loaded one (dequantised, but refusing save_pretrained) a plain copy (of
+    ``state_dict`` when given, else of the model's weights)."""
     quantizer = getattr(model, "hf_quantizer", None)
     if quantizer is None or quantizer.is_serializable():
         return model
@@ -267,7 +273,7 @@ def _serializable(model: transformers.PreTrainedModel) -> transformers.PreTraine
     if hasattr(config, "quantization_config"):
         delattr(config, "quantization_config")
     plain = AutoModelForCausalLM.from_config(config, dtype=model.dtype)
-    plain.load_state_dict(model.state_dict())
+    plain.load_state_dict(model.state_dict() if state_dict is None else state_dict, strict=state_dict is None)
     return plain
 
 

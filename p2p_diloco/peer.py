@@ -26,7 +26,7 @@ from p2p_diloco.membership import MemberGate, MembershipError, load_run_access
 from p2p_diloco.metrics import MetricsLog
 from p2p_diloco.model import LoadedModel, load_model
 from p2p_diloco.plan import RoundPlan
-from p2p_diloco.ranks import Ranks, follow, join_ranks, rank_identity, theta_probe
+from p2p_diloco.ranks import Ranks, join_ranks, rank_identity, theta_probe
 from p2p_diloco.records import SwarmRecords, members_key, record_validators
 from p2p_diloco.state_sync import StateServer
 from p2p_diloco.unit import JoinError, LearningUnit, UnitNetwork
@@ -44,10 +44,10 @@ def run_peer(config: PeerConfig, stop: threading.Event) -> None:
     """
     if config.run.threads is not None:
         torch.set_num_threads(config.run.threads)
-    ranks = join_ranks(config.model.device)
+    ranks = join_ranks(config.model.device, sharded=config.run.shard_model)
     try:
-        loaded = load_model(config.model, ranks.local_rank)
-        ranks.replicate(loaded.model, loaded.device)
+        loaded = load_model(config.model, ranks.local_rank, on_host=ranks.sharded)  # sharded before it moves
+        ranks.prepare(loaded.model, loaded.device)
         if ranks.lead:
             _run_lead(config, loaded, ranks, stop)
         else:
@@ -84,6 +84,7 @@ def unit_in_swarm(
     ranks = ranks or Ranks()
     trained = [param for param in loaded.model.parameters() if param.requires_grad]
     plan = RoundPlan.for_model(config.outer, loaded.model, trained)
+    theta = ranks.theta(trained)  # whole tensors, shaped like what the unit averages and serves
     run_id = config.network.run_id
     identity = peer_identity(config.network.identity_path)
     if config.network.admission is not None and identity.fresh:
@@ -109,10 +110,10 @@ def unit_in_swarm(
         peer_id = str(dht.peer_id)
         keys = plan.keys(run_id, loaded.fingerprint)
         new_averagers = functools.partial(_averagers, owned, dht, plan, gate)
-        averagers = new_averagers(keys.fragment_round, plan.round_templates(trained), plan.codec)
+        averagers = new_averagers(keys.fragment_round, plan.round_templates(theta), plan.codec)
         consensus = plan.consensus_templates() if plan.consensus else []
         consensus_averagers = new_averagers(keys.consensus_round, consensus, "fp32")
-        state_server = StateServer(dht, keys.state(), trained, records, fragments=len(plan.fragments), gate=gate,
+        state_server = StateServer(dht, keys.state(), theta, records, fragments=len(plan.fragments), gate=gate,
                                    momentum=plan.keeps_momentum)  # fmt: skip
         owned.callback(state_server.shutdown)
         settle = functools.partial(_settle_averager, dht, plan, gate.shunning_suspects(), keys.settle())
@@ -123,7 +124,7 @@ def unit_in_swarm(
         owned.enter_context(dropped_in_forked_children(unit.host_tensors))  # the settle averager's fork at exit
         source = unit.join()
         metrics.write(events.Join(peer_id=peer_id, source=source, outer_round=unit.outer_round, ranks=ranks.world_size,
-                                  trained_parameters=sum(param.numel() for param in trained),
+                                  trained_parameters=sum(param.numel() for param in theta),
                                   fingerprint=loaded.fingerprint, multiaddrs=multiaddrs))  # fmt: skip
         logger.info("joined run=%s peer_id=%s source=%s outer_round=%d ranks=%d", run_id, peer_id, source,
                     unit.outer_round, ranks.world_size)  # fmt: skip
@@ -135,21 +136,23 @@ def unit_in_swarm(
 
 
 def _run_follower(config: PeerConfig, loaded: LoadedModel, ranks: Ranks) -> None:
-    """A rank other than 0: train its replica on its own shard of the data, following rank 0 (ranks.py), until rank 0
-    stops. A stop signal is rank 0's to act on (the launcher forwards it to every rank): this rank goes on until rank
-    0 tells it to stop, or until the launcher kills it."""
-    trainer = InnerTrainer(loaded.model, config.inner, loaded.device, loaded.autocast, ranks.replica)
-    start = ranks.share_start(trainer.params)
-    trainer.load_state_dict(start.inner_state)
+    """A rank other than 0: train its replica or shard on its own shard of the data, following rank 0 (ranks.py),
+    until rank 0 stops. A stop signal is rank 0's to act on (the launcher forwards it to every rank): this rank goes
+    on until rank 0 tells it to stop, or until the launcher kills it."""
+    trainer = InnerTrainer(loaded.model, config.inner, loaded.device, loaded.autocast, ranks.replica,
+                           sharded=ranks.sharded)  # fmt: skip
+    start = ranks.share_start(trainer)
     seed = shard_seed(config.model.seed, rank_identity(start.peer_id, ranks.rank))
     data = load_text_data(config.data, loaded.tokenizer, seed)
     with MetricsLog(Path(config.run.work_dir) / f"rank{ranks.rank}.jsonl") as log:
 
-        def probe(inner_step: int) -> None:
-            log.write(events.ReplicaProbe(rank=ranks.rank, inner_step=inner_step, values=theta_probe(trainer.params)))
+        def probe(inner_step: int) -> None:  # a replica's θ, to compare with rank 0's
+            if ranks.replicated:
+                log.write(events.ReplicaProbe(rank=ranks.rank, inner_step=inner_step,
+                                              values=theta_probe(trainer.params)))  # fmt: skip
 
         probe(start.inner_step)
-        follow(ranks, trainer, data.train_batches(), start.inner_step, probe)
+        ranks.follow(trainer, data.train_batches(), data.eval_batches, start.inner_step, probe)
 
 
 def _settle_averager(

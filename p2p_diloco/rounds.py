@@ -66,7 +66,7 @@ import math
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -165,12 +165,34 @@ class RoundEnd:
         return self.status in MERGES
 
 
+class LocalSync(Protocol):
+    """Where the trained θ lives when the engine's ``local`` is a copy of it (rank 0 of a unit of several ranks:
+    ranks.py). Both calls raise when the other ranks are lost."""
+
+    def fetch(self, indices: Sequence[int]) -> None:
+        """Bring ``local[i]`` up to date for each ``i`` in ``indices`` before the engine reads it."""
+
+    def store(self, indices: Sequence[int]) -> None:
+        """Carry ``local[i]``, which the engine just wrote, for each ``i`` in ``indices`` to where θ is trained."""
+
+
+class _InPlace:
+    """``local`` is θ itself: nothing to fetch or store."""
+
+    def fetch(self, indices: Sequence[int]) -> None:
+        pass
+
+    def store(self, indices: Sequence[int]) -> None:
+        pass
+
+
 # ----------------------------------------------------------------------------------------------------- engine
 class RoundEngine:
     """Runs one unit's outer rounds (see the module docstring for the loop and the failure contract).
 
     ``averagers`` has one averager per fragment of ``plan``; ``consensus_averagers`` one more per fragment exactly
-    when ``plan.consensus``. ``local`` are the trained tensors θ: read when a round is sent, written when it merges.
+    when ``plan.consensus``. ``local`` are the trained tensors θ: read when a round is sent, written when it merges
+    (``sync`` is told before each read and after each write, when ``local`` is a copy of θ kept elsewhere).
     φ starts as a copy of θ and m at zero (or as none, at momentum 0). Raises ValueError when the averagers do not
     match the plan.
     """
@@ -182,6 +204,7 @@ class RoundEngine:
         consensus_averagers: Sequence[Averager] = (),
         *,
         local: Sequence[torch.Tensor],
+        sync: LocalSync = _InPlace(),
     ):
         count = len(plan.fragments)
         if len(averagers) != count or len(consensus_averagers) != (count if plan.consensus else 0):
@@ -189,7 +212,7 @@ class RoundEngine:
                              f"averagers and {len(consensus_averagers)} consensus averagers")  # fmt: skip
         self.plan = plan
         self.averagers, self.consensus_averagers = list(averagers), list(consensus_averagers)
-        self.local = list(local)
+        self.local, self.sync = list(local), sync
         self.global_params: Tensors = [tensor.detach().to(device="cpu", dtype=torch.float32, copy=True)
                                        for tensor in self.local]  # fmt: skip
         self.momentum: Tensors = self._kept_momentum(())
@@ -393,13 +416,14 @@ class RoundEngine:
 
     def _begin(self, rounds: FragmentRounds, window_s: float) -> RoundBegin:
         number = rounds.fragment.number
-        local_at_send = copies(self.local, rounds.fragment)
+        local_at_send = self._read_local(rounds.fragment)
         if not all_finite(local_at_send):
             # A diverged unit must not send NaN/inf: every group it joined would reject the average.
             logger.error("local parameters are non-finite after %d inner steps: restarting from φ", self.steps)
             with torch.no_grad():
                 for tensor, value in zip(self.local, self.global_params):
                     tensor.copy_(value.to(device=tensor.device, dtype=tensor.dtype))
+            self.sync.store(range(len(self.local)))
             self._restart_schedules()
             return RoundBegin(RoundKind.FRAGMENT, number, RoundStatus.RESET, rounds.outer_round)
         payload, momentum_proposal, own_step = rounds.payload(self.global_params, self.momentum, local_at_send,
@@ -463,6 +487,8 @@ class RoundEngine:
         if status is RoundStatus.MERGED:
             assert outcome.averaged is not None
             shift = outcome.averaged[0] - sent
+            everything = range(len(self.local))
+            self.sync.fetch(everything)
             for tensors in (self.global_params, self.local):
                 offset = 0
                 with torch.no_grad():
@@ -470,6 +496,7 @@ class RoundEngine:
                         piece = shift[offset : offset + tensor.numel()].view_as(tensor)
                         tensor.add_(piece.to(device=tensor.device, dtype=tensor.dtype))
                         offset += tensor.numel()
+            self.sync.store(everything)
         return self._consensus_end(0, RoundKind.SETTLE, status, outcome)
 
     def settle_window_s(self, now: float, not_before: float = 0.0) -> float:
@@ -554,8 +581,8 @@ class RoundEngine:
         assign(self.global_params, rounds.fragment, new_params)
         if new_momentum:
             assign(self.momentum, rounds.fragment, new_momentum)
-        merged_local = merge_local_progress(new_params, copies(self.local, rounds.fragment), sent.local_at_send)
-        assign(self.local, rounds.fragment, merged_local)
+        merged_local = merge_local_progress(new_params, self._read_local(rounds.fragment), sent.local_at_send)
+        self._write_local(rounds.fragment, merged_local)
 
     @property
     def mixing(self) -> bool:
@@ -584,9 +611,9 @@ class RoundEngine:
         if status is RoundStatus.MERGED and not _plausible_step(what, distance(phi, sent), rounds.last_step_scale):
             status = RoundStatus.REJECTED
         if status is RoundStatus.MERGED:
-            moved = [now + (new - old) for now, new, old in zip(copies(self.local, rounds.fragment), phi, sent)]
+            moved = [now + (new - old) for now, new, old in zip(self._read_local(rounds.fragment), phi, sent)]
             assign(self.global_params, rounds.fragment, phi)
-            assign(self.local, rounds.fragment, moved)
+            self._write_local(rounds.fragment, moved)
             if moment:
                 assign(self.momentum, rounds.fragment, moment)
         return self._consensus_end(number, RoundKind.MIX, status, outcome)
@@ -634,9 +661,20 @@ class RoundEngine:
             assert outcome.averaged is not None
             fragment = rounds.fragment
             fix = consensus_correction(outcome.averaged[0], sent, fragment, self.global_params)
-            for tensors in (self.global_params, self.local):
-                assign(tensors, fragment, [now + delta for now, delta in zip(copies(tensors, fragment), fix)])
+            phi = [now + delta for now, delta in zip(copies(self.global_params, fragment), fix)]
+            assign(self.global_params, fragment, phi)
+            self._write_local(fragment, [now + delta for now, delta in zip(self._read_local(fragment), fix)])
         return self._consensus_end(number, RoundKind.CONSENSUS, status, outcome)
+
+    def _read_local(self, fragment: Fragment) -> Tensors:
+        """θ's pieces of ``fragment`` (copies), fetched first."""
+        self.sync.fetch(fragment.tensor_indices)
+        return copies(self.local, fragment)
+
+    def _write_local(self, fragment: Fragment, values: Sequence[torch.Tensor]) -> None:
+        """``values`` into θ's pieces of ``fragment``, stored after."""
+        assign(self.local, fragment, values)
+        self.sync.store(fragment.tensor_indices)
 
     def _consensus_end(self, number: int, kind: RoundKind, status: RoundStatus, outcome: RoundOutcome) -> RoundEnd:
         return RoundEnd(

@@ -46,7 +46,7 @@ from p2p_diloco.members import believed_rounds
 from p2p_diloco.metrics import MetricsLog, ProgressBars, Throughput
 from p2p_diloco.model import LoadedModel, export_pretrained
 from p2p_diloco.plan import FINAL_ROUND_SLACK_S, RoundPlan
-from p2p_diloco.ranks import Ranks, StepControl, UnitStart, theta_probe
+from p2p_diloco.ranks import Ranks, ThetaLink, UnitStart, theta_probe
 from p2p_diloco.records import PeerProgress, PendingProgress, Phase, ProgressRecords, in_phase
 from p2p_diloco.rounds import RoundBegin, RoundEnd, RoundEngine, RoundKind, RoundStatus
 from p2p_diloco.state_sync import StateService, SwarmState
@@ -99,10 +99,12 @@ class LearningUnit:
         self.ranks = ranks or Ranks()  # rank 0 of them, or the unit's only process
         if trainer is None:  # the CLI's: the [inner] section's optimizer over the loaded model
             assert isinstance(config, PeerConfig), "a unit without a trainer of its caller's trains by [inner]"
-            trainer = InnerTrainer(loaded.model, config.inner, loaded.device, loaded.autocast, self.ranks.replica)
+            trainer = InnerTrainer(loaded.model, config.inner, loaded.device, loaded.autocast, self.ranks.replica,
+                                   sharded=self.ranks.sharded)  # fmt: skip
         self.trainer = trainer  # θ is its params; the library API's caller steps its optimizer itself
-        self._moments_reset = False  # since the last step's control word to the other ranks
-        self.engine = RoundEngine(plan, network.averagers, network.consensus_averagers, local=self.trainer.params)
+        self.theta = self.ranks.theta(trainer.params)  # what the round engine reads and writes (ranks.py)
+        self.engine = RoundEngine(plan, network.averagers, network.consensus_averagers, local=self.theta,
+                                  sync=ThetaLink(self.ranks, trainer.params))  # fmt: skip
         self.inner_step = self.tokens = 0
         self.throughput = Throughput()  # tokens and wall seconds per inner step (the training loop's period)
         self._last_step_end: float | None = None
@@ -111,7 +113,6 @@ class LearningUnit:
         self._progress = ProgressBars(None, enabled=False)
         self._last_progress = 0.0  # when this unit last published its progress record (monotonic)
         self._census_read: PendingProgress | None = None  # the live units' progress records, read without waiting
-        self._theta_changed = False  # since the last control word to the other ranks
         self.last_loss = float("nan")
         self.last_group_size = 0
         self.last_eval: float | None = None
@@ -125,8 +126,10 @@ class LearningUnit:
         return self.engine.outer_round
 
     def host_tensors(self) -> Iterator[torch.Tensor]:
-        """The inner optimizer's state and the round engine's host tensors (θ is the model's)."""
+        """The inner optimizer's state, θ's host mirror (a sharded unit's rank 0) and the round engine's host
+        tensors (θ is the model's)."""
         yield from optimizer_tensors(self.trainer.optimizer)
+        yield from self.ranks.mirror or ()
         yield from self.engine.host_tensors()
 
     # ----------------------------------------------------------------------------------------------- join
@@ -142,7 +145,7 @@ class LearningUnit:
         if swarm_round > max(local_round, 0):
             state = self._download(swarm_round)
             self.engine.load_state(state.global_params, state.momentum, state.fragment_rounds)
-            self.trainer.load_parameters(self.engine.global_params)
+            self._load_theta(self.engine.global_params)
             source: events.JoinSource = "swarm"
         elif checkpoint is not None:
             self._resume(checkpoint)
@@ -151,7 +154,7 @@ class LearningUnit:
             source = "initial weights"
         self._publish_state()
         start = UnitStart(self.network.peer_id, self.inner_step, self.trainer.state_dict())
-        self.ranks.share_start(self.trainer.params, start)
+        self.ranks.share_start(self.trainer, start)
         self._write_replica_probe()
         return source
 
@@ -182,8 +185,8 @@ class LearningUnit:
     def _resume(self, checkpoint: dict) -> None:
         rounds = checkpoint.get("fragment_rounds", [int(checkpoint["outer_round"])])
         self.engine.load_state(checkpoint["global_params"], checkpoint["momentum"], rounds)
-        self.trainer.load_parameters(checkpoint["local_params"])
-        self.trainer.load_state_dict(checkpoint["inner"])
+        self._load_theta(checkpoint["local_params"])
+        self.ranks.load_inner_state(self.trainer, checkpoint["inner"])
         self.inner_step, self.tokens = int(checkpoint["inner_step"]), int(checkpoint["tokens"])
 
     # ----------------------------------------------------------------------------------------- training
@@ -193,7 +196,9 @@ class LearningUnit:
         batches = self.data.train_batches()
         self.start_training()
         try:
-            while not self._share_step(stop.is_set() or self.limit_reached(), self._theta_changed):
+            while not (stop.is_set() or self.limit_reached()):
+                if self.ranks.step():  # the other ranks train this step too
+                    self._write_replica_probe()
                 self.stepped(self.train_step(batches))
         finally:
             self.stop_training()
@@ -217,7 +222,7 @@ class LearningUnit:
         fragments = [end for end in ended if end.kind is RoundKind.FRAGMENT]
         if fragments:
             self._progress.outer_round(fragments[-1].group_size, self.last_eval)
-        self._theta_changed = self.maybe_begin_round() or bool(ended)
+        self.maybe_begin_round()
         if time.monotonic() - self._last_progress >= PROGRESS_EVERY_S:
             self._publish_progress()
             self._census_read = self._census_read or self.network.records.read_progress_soon()
@@ -227,19 +232,15 @@ class LearningUnit:
             if live:  # an empty or failed read keeps the last census
                 self.engine.swarm_size = self._census(live, "training", "finishing")
 
-    def _share_step(self, stopping: bool, theta_changed: bool) -> bool:
-        """Before each step, tell the unit's other ranks whether to stop, and θ when it changed since the last word
-        (ranks.py); returns ``stopping``. Nothing to tell in a unit of one rank. After a failure of rank 0 the other
-        ranks are told nothing: they wait here until rank 0's exit breaks their group."""
-        control = StepControl(stop=stopping, theta_changed=theta_changed, moments_reset=self._moments_reset)
-        self.ranks.share_step(self.trainer.params, control)
-        self._moments_reset = False
-        if theta_changed:
-            self._write_replica_probe()
-        return stopping
+    def _load_theta(self, values: Sequence[torch.Tensor]) -> None:
+        """``values`` into θ (the other ranks get it at the start)."""
+        with torch.no_grad():
+            for tensor, value in zip(self.theta, values, strict=True):
+                tensor.copy_(value.to(device=tensor.device, dtype=tensor.dtype))
 
     def _write_replica_probe(self) -> None:
-        if self.ranks.world_size > 1:
+        """θ at the probe coordinates, which each replica writes after θ was shared (ranks.py)."""
+        if self.ranks.replicated:
             self.metrics.write(events.ReplicaProbe(rank=0, inner_step=self.inner_step,
                                                    values=theta_probe(self.trainer.params)))  # fmt: skip
 
@@ -288,8 +289,7 @@ class LearningUnit:
 
     def _began(self, begin: RoundBegin) -> None:
         if begin.status is RoundStatus.RESET:  # the engine put θ back to φ: its moments are meaningless now
-            self.trainer.reset_optimizer()
-            self._moments_reset = True
+            self.ranks.reset_moments(self.trainer)
             self.metrics.write(events.LocalReset(outer_round=self.outer_round, inner_step=self.inner_step))
         elif begin.status is RoundStatus.BEGUN and begin.kind is RoundKind.FRAGMENT:
             self.metrics.write(events.OuterRoundBegin(
@@ -346,8 +346,7 @@ class LearningUnit:
         started = time.monotonic()
         if not self.eval_batches:
             return
-        with self.trainer.parameters_swapped(self.engine.global_params):
-            self.last_eval = self.trainer.evaluate(self.eval_batches)
+        self.last_eval = self.ranks.evaluate(self.trainer, self.engine.global_params, self.eval_batches)
         if self._last_step_end is not None:
             self._last_step_end += time.monotonic() - started
         self.metrics.write(events.Eval(reason=reason, outer_round=self.outer_round, eval_loss=self.last_eval))
@@ -404,16 +403,21 @@ class LearningUnit:
             self.checkpoint_path,
             {
                 "model_fingerprint": self.loaded.fingerprint,
-                "local_params": self.trainer.local_parameters(),
+                "local_params": self._local_parameters(),
                 "global_params": self.engine.global_params,
                 "momentum": self.engine.momentum,
-                "inner": self.trainer.state_dict(),
+                "inner": self.ranks.inner_state(self.trainer),
                 "outer_round": self.outer_round,
                 "fragment_rounds": self.engine.fragment_rounds(),
                 "inner_step": self.inner_step,
                 "tokens": self.tokens,
             },
         )
+
+    def _local_parameters(self) -> list[torch.Tensor]:
+        """A CPU fp32 copy of θ (gathered from the ranks when sharded)."""
+        self.ranks.fetch(self.trainer.params, range(len(self.theta)))
+        return [tensor.detach().to(device="cpu", dtype=torch.float32, copy=True) for tensor in self.theta]
 
     def finish(self) -> None:
         """Leave cleanly: hand the last steps to the swarm in final rounds at the next boundary (bounded by the
@@ -440,12 +444,23 @@ class LearningUnit:
         self._publish_progress("left")  # the units settling after this one no longer wait for it
         self._evaluate("final")
         self.save()
+        self.ranks.stop()
         if self.config.run.save_dir is not None:
-            with self.trainer.parameters_swapped(self.engine.global_params):
-                export_pretrained(self.loaded.model, self.loaded.tokenizer, Path(self.config.run.save_dir),
-                                  adapter_only=self.config.run.export_adapter)  # fmt: skip
+            self._export(Path(self.config.run.save_dir))
             logger.info("exported the consensus model to %s", self.config.run.save_dir)
         self._write_stop()
+
+    def _export(self, save_dir: Path) -> None:
+        """``save_pretrained`` of φ: loaded into the model (θ put back after), or, when θ is sharded over the ranks,
+        handed over by name as the state to save."""
+        loaded, adapter_only = self.loaded, self.config.run.export_adapter
+        if not self.ranks.sharded:
+            with self.trainer.parameters_swapped(self.engine.global_params):
+                export_pretrained(loaded.model, loaded.tokenizer, save_dir, adapter_only=adapter_only)
+            return
+        names = [name for name, param in loaded.model.named_parameters() if param.requires_grad]
+        state = {**dict(loaded.model.named_buffers()), **dict(zip(names, self.engine.global_params, strict=True))}
+        export_pretrained(loaded.model, loaded.tokenizer, save_dir, state_dict=state)
 
     def _settle(self, averager: Averager, not_before: float) -> None:
         """Up to ``settle_rounds`` settle rounds (rounds.py) with the units leaving at the same time, the first after

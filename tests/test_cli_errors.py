@@ -55,7 +55,9 @@ def assert_untouched(work_dirs: dict[str, Path]) -> None:
     assert sorted(path.name for path in work_dirs["work"].iterdir()) == ["checkpoint.pt", "metrics.jsonl"]
 
 
-def flags(work_dirs: dict[str, Path], **overrides: str) -> list[str]:
+def flags(work_dirs: dict[str, Path], **overrides: str | None) -> list[str]:
+    """The join flags of a short run in ``work_dirs``, with ``overrides`` (a value of "" drops the flag, None gives it
+    without a value)."""
     values = {
         "--model-config": str(TINY_MODEL),
         "--dataset": str(CORPUS),
@@ -64,7 +66,7 @@ def flags(work_dirs: dict[str, Path], **overrides: str) -> list[str]:
         "--max-steps": "5",
         **overrides,
     }
-    return [item for pair in values.items() for item in pair if pair[1] != ""]
+    return [item for flag, value in values.items() if value != "" for item in (flag, value) if item is not None]
 
 
 @pytest.mark.parametrize(
@@ -81,6 +83,9 @@ def flags(work_dirs: dict[str, Path], **overrides: str) -> list[str]:
         ({"--nproc-per-node": "0"}, ["--nproc-per-node"]),
         ({"--autocast": "bfloat16", "--dtype": "bfloat16"}, ["--autocast"]),
         ({"--attn-implementation": "no-such-kernel"}, ["no-such-kernel"]),
+        ({"--shard-model": None}, ["--shard-model", "--nproc-per-node"]),
+        ({"--shard-model": None, "--nproc-per-node": "2", "--lora-r": "4"}, ["--shard-model", "--lora-r"]),
+        ({"--shard-model": None, "--nproc-per-node": "2", "--autocast": "float16"}, ["--shard-model", "float16"]),
     ],
     ids=[
         "model-path",
@@ -94,6 +99,9 @@ def flags(work_dirs: dict[str, Path], **overrides: str) -> list[str]:
         "nproc-per-node",
         "autocast-dtype",
         "attention-kernel",
+        "shard-one-rank",
+        "shard-lora",
+        "shard-float16",
     ],  # fmt: skip
 )
 def test_bad_input_is_refused_cleanly(work_dirs: dict[str, Path], overrides: dict, fragments: list[str]) -> None:
