@@ -60,6 +60,8 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "fp16": ("--codec", "fp16"),
     "momentum": ("--outer-momentum", "0.9"),
     "no-sync-momentum": ("--outer-momentum", "0.9", "--no-sync-momentum"),
+    "ranks2": ("--nproc-per-node", "2"),
+    "ranks2-sharded": ("--nproc-per-node", "2", "--shard-model"),
 }
 
 

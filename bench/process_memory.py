@@ -18,9 +18,10 @@ from bench.chaos import faults
 
 @dataclass(frozen=True)
 class ProcessSample:
-    """One live process of a tree. ``kind``: ``main`` (the tree's root), ``watchdog`` (p2p_diloco.lifecycle's orphan
-    reaper), ``forked`` (another Python child: hivemind's DHT and averager processes), else the program's name (e.g.
-    ``p2pd``, libp2p's daemon, or ``torch_shm_manager``, which torch starts for tensors in shared memory)."""
+    """One live process of a tree. ``kind``: ``main`` (the tree's root), ``rank<r>`` (a rank of a unit of several,
+    started by the root: torch's launcher), ``watchdog`` (p2p_diloco.lifecycle's orphan reaper), ``forked`` (another
+    Python child: hivemind's DHT and averager processes), else the program's name (e.g. ``p2pd``, libp2p's daemon, or
+    ``torch_shm_manager``, which torch starts for tensors in shared memory)."""
 
     pid: int
     started: float  # psutil create_time: with pid, identifies the process
@@ -37,18 +38,18 @@ def sample_tree(pid: int) -> list[ProcessSample]:
     samples = []
     for member in faults.process_tree(pid):
         with contextlib.suppress(psutil.Error):
-            samples.append(_sample(psutil.Process(member), is_root=member == pid))
+            samples.append(_sample(psutil.Process(member), root=pid))
     return samples
 
 
-def _sample(process: psutil.Process, is_root: bool) -> ProcessSample:
+def _sample(process: psutil.Process, root: int) -> ProcessSample:
     with process.oneshot():
         memory = process.memory_full_info()
         times = process.cpu_times()
         return ProcessSample(
             pid=process.pid,
             started=process.create_time(),
-            kind=_kind(process, is_root),
+            kind=_kind(process, root),
             pss=memory.pss,
             uss=memory.uss,
             rss_peak=_rss_high_water_mark(process.pid),
@@ -57,12 +58,15 @@ def _sample(process: psutil.Process, is_root: bool) -> ProcessSample:
         )
 
 
-def _kind(process: psutil.Process, is_root: bool) -> str:
-    if is_root:
+def _kind(process: psutil.Process, root: int) -> str:
+    if process.pid == root:
         return "main"
     if not process.name().startswith("python"):
         return process.name()
-    return "watchdog" if "p2p_diloco.lifecycle" in process.cmdline() else "forked"
+    if "p2p_diloco.lifecycle" in process.cmdline():
+        return "watchdog"
+    rank = process.environ().get("RANK") if process.ppid() == root else None
+    return "forked" if rank is None else f"rank{rank}"
 
 
 def _rss_high_water_mark(pid: int) -> int:
