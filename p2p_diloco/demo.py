@@ -68,6 +68,7 @@ def run_demo(peers: int, duration_s: float, work_dir: Path) -> int:
     resumed) and print its summary. Exit code 0 when every unit exited 0, groups of several units formed and
     every unit's consensus eval loss fell; 1 otherwise. Every process is stopped on exit."""
     work_dir = Path(work_dir) / f"run-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    threads = max(1, (os.cpu_count() or 1) // peers)  # the units share this machine's cores
     bootstrap, maddr = start_bootstrap(work_dir)
     print(f"bootstrap node up: {maddr}", flush=True)
     units: list[subprocess.Popen] = []
@@ -75,7 +76,8 @@ def run_demo(peers: int, duration_s: float, work_dir: Path) -> int:
         for index in range(peers):
             unit_dir = work_dir / f"peer{index}"
             unit_dir.mkdir(parents=True, exist_ok=True)
-            units.append(spawn(join_command([maddr], unit_dir, duration_s, run_id="demo"), unit_dir / "stdout.log"))
+            command = [*join_command([maddr], unit_dir, duration_s, run_id="demo"), "--threads", str(threads)]
+            units.append(spawn(command, unit_dir / "stdout.log"))
         print(f"{peers} learning units training for {duration_s:.0f} s (logs in {work_dir}/peer*/)", flush=True)
         deadline = time.monotonic() + duration_s + 180.0
         while time.monotonic() < deadline and any(unit.poll() is None for unit in units):

@@ -1,5 +1,6 @@
 """The tests' real swarms (``bench/swarm.py``) with quick units: the ~1 M parameter GPT-2 of the tiny preset, 4 x 64
-tokens per step, a round every 10 steps."""
+tokens per step, a round every 10 steps, one torch thread each (several units share a CI machine's two cores; with
+torch's default of a thread per core in every unit, the red team's joiner test took 119 s instead of 105 s)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ from p2p_diloco.membership import RunAccess
 from p2p_diloco.records import SwarmRecords, record_validators
 
 RUN_ID = "test"
-QUICK_UNIT_FLAGS = ("--seq-len", "64", "--batch-size", "4", "--inner-steps", "10", "--join-timeout-s", "30")
+QUICK_UNIT_FLAGS = (
+    "--threads", "1", "--seq-len", "64", "--batch-size", "4", "--inner-steps", "10", "--join-timeout-s", "30",
+)  # fmt: skip
 
 
 def quick_swarm(root: Path) -> Swarm:
