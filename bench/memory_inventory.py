@@ -62,8 +62,7 @@ def inventory(plan: RoundPlan, weight_bytes: int = FP32) -> list[Copy]:
     s = in_flight_share(plan)
     children = forked_children(plan)
     m = 1 if plan.keeps_momentum else 0  # at outer momentum 0 no m exists anywhere (rounds.py)
-    sent = {Payload.PROPOSAL_WITH_MOMENTUM: "φ'_p and m'_p", Payload.PROPOSAL: "φ'_p" + (", and its own m'_p" * m),
-            Payload.PSEUDO_GRADIENT: "Δ_p (+ error feedback)"}[plan.payload]  # fmt: skip
+    own_momentum = 1 if plan.payload is Payload.PROPOSAL else 0
     return [
         Copy("θ (the model's parameters)", "main", "persistent", weight_bytes, "model.py:load_model", bare=True),
         Copy("gradients of θ", "main", "momentary", weight_bytes,
@@ -89,9 +88,10 @@ def inventory(plan: RoundPlan, weight_bytes: int = FP32) -> list[Copy]:
              "forking.py:dropped_in_forked_children (malloc_trim before the fork, MADV_DONTNEED in the child) ← "
              "peer.py:unit_in_swarm"),
         Copy("θ_p at send", "main", "in flight", FP32 * s, "rounds.py:RoundEngine._begin (fragments.py:copies)"),
-        Copy(f"payload sent: {sent}", "main", "in flight", FP32 * s * (1 if lossy else 1 + m),
-             "streaming.py:FragmentRounds.payload, held by averaging.py:_PendingRound.proposal and "
-             "streaming.py:SentRound.momentum_proposal"),
+        Copy("own m'_p (the merge's m without sync_momentum)", "main", "in flight", FP32 * s * m * own_momentum,
+             "streaming.py:FragmentRounds.payload, held by streaming.py:SentRound.momentum_proposal (the payload "
+             "itself is only in the averager's buffer: an alone round reads it back, averaging.py:"
+             "OuterAverager._buffers)"),
         Copy(("φ_p, m_p and Δ_p copies" if m else "φ_p and Δ_p copies") + (", the unused proposal" if lossy else ""),
              "main", "momentary",
              FP32 * s * ((3 + 2 * m) if lossy else 2 + m),
@@ -115,8 +115,9 @@ def inventory(plan: RoundPlan, weight_bytes: int = FP32) -> list[Copy]:
         Copy("the main process's pages inherited by the settle averager (forked at exit from the whole main "
              "process)", "the settle averager", "exit", 0.0,
              "forking.py:dropped_in_forked_children ← peer.py:_settle_averager, unit.py:LearningUnit.finish"),
-        Copy("group round: the average's clone (+ mean − sent in consensus and settle rounds)", "main", "not alone",
-             FP32 * s * plan.payload.copies, "averaging.py:OuterAverager.poll (buffer.clone)"),
+        Copy("a round's end: the buffer's clone (the group's average, or alone what was sent; + mean − sent in "
+             "consensus and settle rounds)", "main", "momentary", FP32 * s * plan.payload.copies,
+             "averaging.py:OuterAverager._buffers ← poll"),
         Copy("all-reduce: one averaged tensor at a time and per-part buffers", "each averager", "not alone",
              0.0, "hivemind averaging/partition.py:TensorPartContainer.iterate_output_tensors (torch.cat per tensor)"),
         Copy("serving a joiner: a snapshot of φ (and m)", "the state server", "not alone", FP32 * (1 + m),

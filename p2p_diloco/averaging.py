@@ -10,8 +10,11 @@ units that reach their own sync point inside that window join it, and the group 
 when the window ends (at once if ``target_group_size`` members joined). Quorum K:
 
 * K = 1 (never wait): if nobody joins within the window, the round completes alone with the unit's own
-  proposal (group size 1). hivemind's ``min_group_size=1`` would form a solo group instantly and never
-  wait for anyone, so the averager runs with ``min_group_size=2`` and the solo fallback lives here.
+  proposal (group size 1), read back from the averager's buffer (the unit does not keep a second copy of what it
+  sent while the round is in flight); where an all-reduce broke off, hivemind has already written the averages of
+  some tensors into that buffer, and those are taken with the others' own values. hivemind's ``min_group_size=1``
+  would form a solo group instantly and never wait for anyone, so the averager runs with ``min_group_size=2`` and
+  the solo fallback lives here.
 * K ≥ 2: a round with fewer than K members fails; the caller keeps its global parameters unchanged and
   the progress stays in the next pseudo-gradient (nothing is lost).
 
@@ -120,7 +123,6 @@ class Averager(Protocol):
 @dataclass
 class _PendingRound:
     control: StepControl
-    proposal: list[torch.Tensor]
     weight: float
     outer_round: int
     tag: str
@@ -155,10 +157,11 @@ class OuterAverager:
         self.quorum = quorum
         self._shapes = [tuple(tensor.shape) for tensor in template]
         self._stuck_after_s = allreduce_timeout_s + STUCK_MARGIN_S
-        self._new_averager = functools.partial(
+        buffers = [torch.zeros_like(tensor, dtype=torch.float32, device="cpu") for tensor in template]
+        self._new_averager = functools.partial(  # a restarted averager takes over the same (shared) buffers
             GatedAverager,
             gate=gate,
-            averaged_tensors=[torch.zeros_like(tensor, dtype=torch.float32, device="cpu") for tensor in template],
+            averaged_tensors=buffers,
             dht=dht,
             start=True,
             prefix=prefix,
@@ -206,10 +209,9 @@ class OuterAverager:
             if not self._stuck():
                 return False
             self._restart()
-        proposal = [tensor.detach().to(device="cpu", dtype=torch.float32) for tensor in proposal]
         with self._averager.get_tensors() as buffers:
             for buffer, tensor in zip(buffers, proposal):
-                buffer.copy_(tensor)
+                buffer.copy_(tensor.detach())
         if subgroup or self._subgroup_dirty:
             self._averager.set_group_bits(subgroup)
             self._subgroup_dirty = bool(subgroup)
@@ -224,8 +226,7 @@ class OuterAverager:
             allow_retries=True,
             wait=False,
         )
-        self._pending = _PendingRound(control, proposal, float(weight), int(outer_round), str(tag), time.time(),
-                                      len(probe))  # fmt: skip
+        self._pending = _PendingRound(control, float(weight), int(outer_round), str(tag), time.time(), len(probe))
         return True
 
     def _tensors_free(self) -> bool:
@@ -279,8 +280,7 @@ class OuterAverager:
             return self._without_group(pending, f"{type(error).__name__}: {error}")
         if not gathered:
             return self._without_group(pending, "averager returned no group")
-        with self._averager.get_tensors() as buffers:
-            averaged = [buffer.clone() for buffer in buffers]
+        averaged = self._buffers()
         infos = self._read_members(gathered, pending)
         members = list(gathered)
         position = members.index(self._averager.peer_id) if self._averager.peer_id in members else 0
@@ -308,12 +308,18 @@ class OuterAverager:
             infos.append(info)
         return infos
 
+    def _buffers(self) -> list[torch.Tensor]:
+        """A copy of the averaged tensors: the group's average after a round, else (mostly) what was sent."""
+        with self._averager.get_tensors() as buffers:
+            return [buffer.clone() for buffer in buffers]
+
     def _without_group(self, pending: _PendingRound, error: str) -> RoundOutcome:
-        """No usable group: with quorum 1 the round completes alone, otherwise it fails."""
+        """No usable group: with quorum 1 the round completes alone with what the buffers hold (the module
+        docstring; a restarted averager shares the same buffers), otherwise it fails."""
         if self.quorum == 1:
             logger.info("outer round %d completed alone: %s", pending.outer_round, error)
             return RoundOutcome(
-                averaged=pending.proposal,
+                averaged=self._buffers(),
                 group_size=1,
                 max_member_round=pending.outer_round,
                 total_weight=pending.weight,

@@ -105,18 +105,23 @@ class FragmentRounds:
 
     def payload(self, global_params: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor],
                 local_at_send: Tensors, hyper: OuterHyperparams) -> tuple[Tensors, Tensors, float]:  # fmt: skip
-        """The tensors to average for this fragment, the unit's own momentum proposal (proposal payload) and the norm
-        of its own outer step ‖φ'_p − φ_p‖ (on its Δ_p alone)."""
+        """The tensors to average for this fragment, the unit's own momentum proposal to keep while the round is in
+        flight (proposal payload without sync_momentum; RDA: m_p) and the norm of its own outer step ‖φ'_p − φ_p‖ (on
+        its Δ_p alone)."""
         phi, moment = copies(global_params, self.fragment), _momentum_copies(momentum, self.fragment)
         delta = pseudo_gradient(phi, local_at_send)
         params_proposal, momentum_proposal = outer_step(phi, moment, delta, hyper)
         own_step = distance(params_proposal, phi)
         if self.payload_kind is Payload.PSEUDO_GRADIENT:
             return (self.error_feedback.compensate(delta) if self.error_feedback else delta), [], own_step
+        if self._synced:  # m travels in the payload, and the merge takes it from the average
+            own_momentum: Tensors = []
+        else:
+            own_momentum = moment if self.radial is not None else momentum_proposal
         if self.radial is not None:
             directions, norms = radial_parts(delta, self.radial)
-            return phi + (moment if self._synced else []) + directions + [norms], moment, own_step
-        return params_proposal + (momentum_proposal if self._synced else []), momentum_proposal, own_step
+            return phi + (moment if self._synced else []) + directions + [norms], own_momentum, own_step
+        return params_proposal + (momentum_proposal if self._synced else []), own_momentum, own_step
 
     @property
     def _synced(self) -> bool:

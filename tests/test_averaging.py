@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
@@ -29,7 +30,8 @@ STALL_S = 8.0  # longer than the all-reduce timeout of the stalling test (4 s)
 @pytest.mark.swarm
 def test_a_held_tensors_lock_defers_the_round_instead_of_blocking() -> None:
     """While the averager process would hold its tensors (here: the test holds the lock), begin_round returns False
-    at once and poll returns nothing; once the lock is free the round begins and completes alone (quorum 1)."""
+    at once and poll returns nothing; once the lock is free the round begins and completes alone (quorum 1) with
+    what it sent, which the averager did not keep a reference to."""
     dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
     averager = OuterAverager(dht, "lock-test", [torch.zeros(8)], quorum=1, target_group_size=2, allreduce_timeout_s=5)
     try:
@@ -42,7 +44,11 @@ def test_a_held_tensors_lock_defers_the_round_instead_of_blocking() -> None:
             assert averager.poll() is None
         finally:
             lock.release()
-        assert averager.begin_round([torch.ones(8)], weight=1.0, outer_round=0, window_s=0.5) is True
+        proposal = [torch.ones(8)]
+        assert averager.begin_round(proposal, weight=1.0, outer_round=0, window_s=0.5) is True
+        sent = weakref.ref(proposal[0])
+        del proposal
+        assert sent() is None  # no second copy while the round is in flight: alone, the buffer is read back
         outcome = averager.finish_round(timeout_s=10.0)
         assert outcome is not None and outcome.group_size == 1
         assert torch.equal(outcome.averaged[0], torch.ones(8))

@@ -57,13 +57,16 @@ def test_inventory_counts_the_persistent_copies_of_each_plan() -> None:
     default = plan()  # a plain average: proposals at momentum 0 (no m kept), 3 forked children
     assert forked_children(default) == 3
     default_bytes = predicted(inventory(default))
-    assert default_bytes["persistent"] == 4 + 4 + 4 and default_bytes["in_flight"] == 8  # φ, averager, state server
-    synced = predicted(inventory(plan(outer_momentum=0.9)))
-    assert synced["persistent"] == 4 + 4 + 8 + 8 and synced["in_flight"] == 12
+    # φ, averager, state server; in flight only θ_p at send (the payload sent is in the averager's buffer alone)
+    assert default_bytes["persistent"] == 4 + 4 + 4 and default_bytes["in_flight"] == 4
+    synced = predicted(inventory(plan(outer_momentum=0.9)))  # m'_p travels in the payload: no own copy is kept
+    assert synced["persistent"] == 4 + 4 + 8 + 8 and synced["in_flight"] == 4
+    unsynced = predicted(inventory(plan(outer_momentum=0.9, sync_momentum=False)))
+    assert unsynced["in_flight"] == 4 + 4  # θ_p and the unit's own m'_p
     lossy = plan(codec="fp16", fragments=4)  # consensus averagers and error feedback; 2 of 4 fragments in flight
     assert forked_children(lossy) == 10
     assert predicted(inventory(lossy)) == pytest.approx(
-        {"persistent": 4 + 4 + 4 + 4 + 4, "in_flight": 4, "momentary": 8, "peak_low": 24, "peak_high": 32}
+        {"persistent": 4 + 4 + 4 + 4 + 4, "in_flight": 2, "momentary": 8, "peak_low": 22, "peak_high": 30}
     )
 
 
@@ -88,6 +91,6 @@ def test_markdown_puts_the_command_first_and_a_row_per_run() -> None:
     table = markdown(report)
     assert table.startswith("Reproduce with:\n\n```\npython scripts/memory.py --out x\n```")
     assert "| m | 1.05 M | bare loop |  |  | 8 | 8.0 |" in table
-    assert "| m | 1.05 M | P4 | `--fragments 4` | 20 | 12 | 12.0 | +4.0 | 20–32 |" in table
+    assert "| m | 1.05 M | P4 | `--fragments 4` | 20 | 12 | 12.0 | +4.0 | 16–28 |" in table
     assert "Fewer inner steps than --max-steps m P4: stopped by SIGTERM" in table
     assert "| **predicted excess: persistent** | | | | 12 |" in table
