@@ -184,14 +184,12 @@ class InnerTrainer:
         finally:
             self.load_parameters(saved)
 
-    @torch.no_grad()
     def load_parameters(self, values: Sequence[torch.Tensor]) -> None:
-        for param, value in zip(self.params, values, strict=True):
-            param.copy_(value.to(device=param.device, dtype=param.dtype))
+        copy_into(self.params, values)
 
     def local_parameters(self) -> list[torch.Tensor]:
         """A CPU fp32 copy of θ."""
-        return [param.detach().to(device="cpu", dtype=torch.float32, copy=True) for param in self.params]
+        return host_copies(self.params)
 
     def reset_optimizer(self) -> None:
         """Forget AdamW's moments (e.g. after they became non-finite); the schedule position is kept."""
@@ -213,3 +211,16 @@ class InnerTrainer:
             self.scheduler.load_state_dict(state["scheduler"])
         if state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
+
+
+@torch.no_grad()
+def copy_into(targets: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -> None:
+    """Write ``values`` into ``targets`` in place, one for one, each converted to its target's device and dtype.
+    Raises ValueError when the counts differ."""
+    for target, value in zip(targets, values, strict=True):
+        target.copy_(value.to(device=target.device, dtype=target.dtype))
+
+
+def host_copies(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """CPU fp32 copies of ``tensors``."""
+    return [tensor.detach().to(device="cpu", dtype=torch.float32, copy=True) for tensor in tensors]

@@ -41,7 +41,7 @@ from p2p_diloco.data import TextData
 from p2p_diloco.errors import UserError
 from p2p_diloco.forking import optimizer_tensors
 from p2p_diloco.goodput import LEDGER_FILE, GoodputLedger
-from p2p_diloco.inner import InnerTrainer, StepStats
+from p2p_diloco.inner import InnerTrainer, StepStats, copy_into, host_copies
 from p2p_diloco.members import believed_rounds
 from p2p_diloco.metrics import MetricsLog, ProgressBars, Throughput
 from p2p_diloco.model import LoadedModel, export_pretrained
@@ -234,9 +234,7 @@ class LearningUnit:
 
     def _load_theta(self, values: Sequence[torch.Tensor]) -> None:
         """``values`` into θ (the other ranks get it at the start)."""
-        with torch.no_grad():
-            for tensor, value in zip(self.theta, values, strict=True):
-                tensor.copy_(value.to(device=tensor.device, dtype=tensor.dtype))
+        copy_into(self.theta, values)
 
     def _write_replica_probe(self) -> None:
         """θ at the probe coordinates, which each replica writes after θ was shared (ranks.py)."""
@@ -417,7 +415,7 @@ class LearningUnit:
     def _local_parameters(self) -> list[torch.Tensor]:
         """A CPU fp32 copy of θ (gathered from the ranks when sharded)."""
         self.ranks.fetch(self.trainer.params, range(len(self.theta)))
-        return [tensor.detach().to(device="cpu", dtype=torch.float32, copy=True) for tensor in self.theta]
+        return host_copies(self.theta)
 
     def finish(self) -> None:
         """Leave cleanly: hand the last steps to the swarm in final rounds at the next boundary (bounded by the
