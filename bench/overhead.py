@@ -7,12 +7,12 @@ Two runs with the same ``p2p-diloco join`` flags (model, data pipeline, seed, th
 * B, a real lone unit: ``python -m p2p_diloco.cli join FLAGS`` without initial peers, so it runs its own DHT and its
   rounds complete alone after their matchmaking window.
 
-Both write an ``inner_step`` event every ``InnerStep.every`` (10) steps to ``metrics.jsonl`` in their work dir,
-right after the step. The metric is wall seconds per inner step from step ``from_step`` to the last event (start-up
-excluded). A and the B variants alternate (reversed order every other repeat) to cancel machine drift; a variant's
-overhead is the median over repeats of B / A − 1, each B against the A of its own repeat. Where B's extra time goes:
-the duration of train_step itself (the logged steps' ``seconds``) against the rest of the loop, and the CPU time of
-the run's main process against that of its descendants (DHT, averagers, p2pd) over the same window.
+Both write an ``inner_step`` event after every step to ``metrics.jsonl`` in their work dir. The metric is wall seconds
+per inner step from step ``from_step`` to the last event (start-up excluded). A and the B variants alternate (reversed
+order every other repeat) to cancel machine drift; a variant's overhead is the median over repeats of B / A − 1, each B
+against the A of its own repeat. Where B's extra time goes: the duration of train_step itself (the logged steps'
+``seconds``) against the rest of the loop, and the CPU time of the run's main process against that of its descendants
+(DHT, averagers, p2pd) over the same window.
 """
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ from p2p_diloco.lifecycle import descendant_pids
 from p2p_diloco.metrics import MetricsLog
 from p2p_diloco.model import load_model
 
-EVENT_EVERY = InnerStep.every  # a learning unit writes an inner_step event every this many steps
 NEVER = 10**6  # steps between evals, rounds between checkpoints: none within a measured run
 RUN_TIMEOUT_S = 1800.0
 POLL_S = 0.1
@@ -67,8 +66,7 @@ def bare_loop(config: PeerConfig) -> None:
     with MetricsLog(Path(config.run.work_dir) / "metrics.jsonl") as metrics:
         for step in range(1, config.run.max_steps + 1):
             stats = trainer.train_step(batches)
-            if step % EVENT_EVERY == 0:
-                metrics.write(InnerStep(step=step, loss=stats.loss, seconds=stats.seconds))
+            metrics.write(InnerStep(step=step, loss=stats.loss, seconds=stats.seconds, lr=stats.lr))
 
 
 def shared_flags(steps: int, work_dir: Path, setup: TrainingSetup) -> list[str]:
@@ -185,9 +183,9 @@ class Repeat:
 def measure(out: Path, steps: int, repeats: int, from_step: int, variants: dict[str, tuple[str, ...]]) -> list[Repeat]:
     """Run A and every variant of B ``repeats`` times, alternating (see the module docstring); runs' work dirs go
     to ``out``/runs. Raises RuntimeError when a run fails or a lone unit completed no round in the window, and
-    ValueError unless ``from_step`` and ``steps`` are logged steps with ``from_step`` < ``steps``."""
-    if from_step % EVENT_EVERY or steps % EVENT_EVERY or not 0 < from_step < steps:
-        raise ValueError(f"from_step and steps must be multiples of {EVENT_EVERY} with 0 < from_step < steps")
+    ValueError unless 0 < ``from_step`` < ``steps``."""
+    if not 0 < from_step < steps:
+        raise ValueError(f"need 0 < from_step < steps, got from_step={from_step}, steps={steps}")
     setup = TrainingSetup(eval_every_steps=NEVER)
     results = []
     for index in range(repeats):

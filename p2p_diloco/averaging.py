@@ -317,7 +317,7 @@ class OuterAverager:
         """No usable group: with quorum 1 the round completes alone with what the buffers hold (the module
         docstring; a restarted averager shares the same buffers), otherwise it fails."""
         if self.quorum == 1:
-            logger.info("outer round %d completed alone: %s", pending.outer_round, error)
+            logger.debug("outer round %d completed alone: %s", pending.outer_round, error)  # the unit logs the round
             return RoundOutcome(
                 averaged=self._buffers(),
                 group_size=1,
@@ -327,7 +327,7 @@ class OuterAverager:
                 finished_at=time.time(),
                 member_tags=(pending.tag,),
             )
-        logger.warning("outer round %d failed (quorum %d not reached): %s", pending.outer_round, self.quorum, error)
+        logger.debug("outer round %d failed (quorum %d not reached): %s", pending.outer_round, self.quorum, error)
         return RoundOutcome(None, 0, pending.outer_round, 0.0, pending.started_at, time.time(), error=error)
 
     def finish_round(self, timeout_s: float) -> RoundOutcome | None:

@@ -7,48 +7,59 @@ prints one ``error: ...`` line to stderr and exits with status 2.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 
-from p2p_diloco.config import ConfigError, add_config_arguments, load_config, load_network_section
+from p2p_diloco import __version__
+from p2p_diloco.config import ConfigError, add_config_arguments, config_toml, load_config, load_network_section
 from p2p_diloco.errors import UserError
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+
+def _log_level_argument(parser: argparse.ArgumentParser, default: str) -> None:
+    parser.add_argument("--log-level", type=str.upper, choices=LOG_LEVELS, default=default, help="default INFO")
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="p2p-diloco", description=__doc__.splitlines()[0], allow_abbrev=False)
-    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    _log_level_argument(parser, default="INFO")
+    after_command = argparse.ArgumentParser(add_help=False)  # --log-level after the command wins over one before
+    _log_level_argument(after_command, default=argparse.SUPPRESS)
     commands = parser.add_subparsers(dest="command", required=True)
+    subcommand = functools.partial(commands.add_parser, allow_abbrev=False, parents=[after_command])
 
-    bootstrap = commands.add_parser(
-        "bootstrap", help="run a DHT node that helps peers find each other", allow_abbrev=False
-    )
+    bootstrap = subcommand("bootstrap", help="run a DHT node that helps peers find each other")
     add_config_arguments(bootstrap, sections=("network",))
     bootstrap.set_defaults(handler=_bootstrap)
 
-    join = commands.add_parser("join", help="join a swarm as one learning unit and train", allow_abbrev=False)
+    join = subcommand("join", help="join a swarm as one learning unit and train")
     add_config_arguments(join)
+    join.add_argument("--print-config", action="store_true", help="print the resolved configuration as TOML and exit")
     join.set_defaults(handler=_join)
 
-    status = commands.add_parser("status", help="print the swarm as the DHT sees it", allow_abbrev=False)
+    status = subcommand("status", help="print the swarm as the DHT sees it")
     add_config_arguments(status, sections=("network",))
     status.set_defaults(handler=_status)
 
-    run_key = commands.add_parser("run-key", help="create a private run's key (its owner keeps it)", allow_abbrev=False)
+    run_key = subcommand("run-key", help="create a private run's key (its owner keeps it)")
     run_key.add_argument("--out", type=Path, required=True, help="key file to create (an existing one is kept)")
     run_key.set_defaults(handler=_run_key)
 
-    identity = commands.add_parser("identity", help="create a peer identity and print its peer id", allow_abbrev=False)
+    identity = subcommand("identity", help="create a peer identity and print its peer id")
     identity.add_argument("--identity-path", type=Path, required=True, help="key file (created if missing)")
     identity.set_defaults(handler=_identity)
 
-    admit = commands.add_parser("admit", help="admit a peer id to a private run", allow_abbrev=False)
+    admit = subcommand("admit", help="admit a peer id to a private run")
     admit.add_argument("--run-key", type=Path, required=True, help="the run key file (from run-key)")
     admit.add_argument("--run-id", required=True, help="the run's id")
     admit.add_argument("--peer-id", required=True, help="the peer id to admit (from p2p-diloco identity)")
     admit.add_argument("--out", type=Path, help="admission file to write (default: print it)")
     admit.set_defaults(handler=_admit)
 
-    demo = commands.add_parser("demo", help="bootstrap + several peers on 127.0.0.1 with the embedded model and corpus")
+    demo = subcommand("demo", help="bootstrap + several peers on 127.0.0.1 with the embedded model and corpus")
     demo.add_argument("--peers", type=int, default=3, help="learning units to start (default 3)")
     demo.add_argument("--duration", type=float, default=60.0, help="seconds of training per peer (default 60)")
     demo.add_argument(
@@ -58,14 +69,28 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _start_logging(args: argparse.Namespace) -> None:
+    """Logging to stderr at ``--log-level``; called once the input is validated (it imports hivemind)."""
+    from p2p_diloco.metrics import configure_logging
+
+    configure_logging(args.log_level)
+
+
 def _bootstrap(args: argparse.Namespace) -> int:
+    network = load_network_section(args)
+    _start_logging(args)
     from p2p_diloco.bootstrap_node import run_bootstrap
     from p2p_diloco.lifecycle import install_stop_signals
 
-    return run_bootstrap(load_network_section(args), stop=install_stop_signals())
+    return run_bootstrap(network, stop=install_stop_signals())
 
 
 def _join(args: argparse.Namespace) -> int:
+    config = load_config(args)  # before any heavy import: a typo is reported at once
+    if args.print_config:
+        print(config_toml(config), end="")
+        return 0
+    _start_logging(args)
     from p2p_diloco.lifecycle import (
         die_with_launcher,
         ensure_fork_start_method,
@@ -79,7 +104,6 @@ def _join(args: argparse.Namespace) -> int:
     from p2p_diloco.peer import run_peer
     from p2p_diloco.ranks import launch_ranks
 
-    config = load_config(args)
     if config.run.nproc_per_node > 1 and not launched():
         return launch_ranks(config.run.nproc_per_node, config.run.max_restarts, config.model.device, args.argv)
     ensure_fork_start_method()
@@ -89,18 +113,22 @@ def _join(args: argparse.Namespace) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
+    network = load_network_section(args)
+    _start_logging(args)
     from p2p_diloco.status import run_status
 
-    return run_status(load_network_section(args))
+    return run_status(network)
 
 
 def _run_key(args: argparse.Namespace) -> int:
+    _start_logging(args)
     from p2p_diloco.credentials import run_make_run_key
 
     return run_make_run_key(args.out)
 
 
 def _identity(args: argparse.Namespace) -> int:
+    _start_logging(args)
     from p2p_diloco.credentials import run_identity
 
     return run_identity(args.identity_path)
@@ -110,6 +138,7 @@ def _admit(args: argparse.Namespace) -> int:
     from p2p_diloco.credentials import run_admit
 
     network = load_network_section(argparse.Namespace(**{"network.run_id": args.run_id}))
+    _start_logging(args)
     return run_admit(args.run_key, network.run_id, args.peer_id, args.out)
 
 
@@ -118,6 +147,7 @@ def _demo(args: argparse.Namespace) -> int:
 
     if args.peers < 1 or args.duration <= 0:
         raise ConfigError("--peers must be >= 1 and --duration > 0")
+    _start_logging(args)
     return run_demo(peers=args.peers, duration_s=args.duration, work_dir=args.work_dir)
 
 
@@ -125,10 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args = _parser().parse_args(argv)
     args.argv = argv  # the ranks of a unit run the same command
-    from p2p_diloco.metrics import configure_logging
-
     try:
-        configure_logging(args.log_level)
         return args.handler(args)
     except UserError as error:
         print(f"error: {error}", file=sys.stderr)

@@ -8,6 +8,7 @@ names the field, so the CLI can print it and exit non-zero.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import tomllib
 import typing
 from pathlib import Path
@@ -17,6 +18,8 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError
 
 from p2p_diloco.errors import UserError
 from p2p_diloco.presets import PRESETS
+
+TRACKER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}  # --report-to's trackers, by package
 
 
 class ConfigError(UserError, ValueError):
@@ -203,7 +206,12 @@ class RunSection(_Section):
     save_dir: str | None = Field(None, description="export the consensus model here (save_pretrained) on exit")
     checkpoint_every_rounds: int = Field(5, ge=1, description="write a local checkpoint every N outer rounds")
     eval_every_rounds: int = Field(1, ge=1, description="evaluate the consensus model every N outer rounds")
-    progress: bool = Field(True, description="show console progress bars")
+    progress: bool = Field(True, description="show console progress bars (on a terminal only)")
+    report_to: list[Literal["tensorboard", "wandb"]] = Field(
+        default_factory=list,
+        description="experiment trackers: tensorboard (event files in the work dir), wandb (W&B's env vars apply), "
+        "none; several as tensorboard,wandb",
+    )
     threads: int | None = Field(None, ge=1, description="torch CPU threads (default: torch's choice)")
     export_adapter: bool = Field(
         False, description="with --lora-r: export the adapter alone (peft's format) instead of the merged model"
@@ -217,6 +225,22 @@ class RunSection(_Section):
         description="with several ranks: shard θ, its gradients and AdamW state over them (FSDP), for a model whose "
         "training state does not fit one device; rank 0 keeps θ whole on the host",
     )
+
+    @field_validator("report_to", mode="before")
+    @classmethod
+    def _tracker_names(cls, value: Any) -> Any:
+        """``tensorboard,wandb`` and ``["tensorboard", "wandb"]`` alike; ``none`` alone: no tracker."""
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list):
+            return value
+        names = [name.strip() for item in value for name in str(item).split(",") if name.strip()]
+        if "none" in names and len(names) > 1:
+            raise ValueError("report_to 'none' cannot be combined with a tracker")
+        for name in set(names) & set(TRACKER_PACKAGES):
+            if importlib.util.find_spec(TRACKER_PACKAGES[name]) is None:
+                raise ValueError(f"--report-to {name} needs the {name} package: pip install 'p2p_diloco[{name}]'")
+        return [name for name in dict.fromkeys(names) if name != "none"]
 
 
 class SwarmSections(_Section):
@@ -422,6 +446,15 @@ def load_network_section(args: argparse.Namespace) -> NetworkSection:
         return NetworkSection(**raw)
     except ValidationError as error:
         raise _config_error(error) from None
+
+
+def config_toml(config: PeerConfig) -> str:
+    """``config`` as a TOML file that ``--config`` reads back into the same config (unset optional fields are left
+    out)."""
+    import tomli_w
+
+    sections = config.model_dump(mode="json", exclude_none=True)
+    return tomli_w.dumps({name: sections[name] for name in SECTIONS})
 
 
 def _all_field_names() -> set[str]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any, ClassVar, Literal, TypeVar
+from typing import Any, ClassVar, Literal, Protocol, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -33,14 +33,24 @@ class Event(BaseModel):
         return self.model_dump(exclude={"time"})
 
 
+class EventSink(Protocol):
+    """What a unit writes its events to (``MetricsLog``, or the fan-out of p2p_diloco/tracking.py); its owner closes
+    it."""
+
+    def write(self, event: Event) -> None: ...
+
+    def close(self) -> None: ...
+
+
 class InnerStep(Event):
-    """Every ``every``-th inner step, right after it."""
+    """Every inner step, right after it."""
 
     event = "inner_step"
-    every: ClassVar[int] = 10
     step: int
     loss: float | None
     seconds: float  # compute of the step
+    lr: float | None = None  # the inner optimizer's learning rate of the step (None: the caller's own optimizer)
+    tokens_per_s: float | None = None  # the unit's averaged throughput, all ranks together
 
 
 class OuterRoundBegin(Event):
@@ -73,6 +83,7 @@ class OuterRound(Event):
     useful_tokens: int
     wire_bytes_sent: int | None = None  # when the unit's round advanced: its p2p daemon's TCP counters
     wire_bytes_received: int | None = None
+    goodput: float | None = None  # useful compute over the unit's allocated time, after the merge
 
 
 class OuterRoundFailed(Event):

@@ -22,6 +22,7 @@ class StepStats:
     tokens: int
     seconds: float  # the whole step, gradient synchronization included
     sync_seconds: float = 0.0  # time spent in the ``synchronize_gradients`` hook
+    lr: float | None = None  # the learning rate the step was taken with (None: not known, the caller's optimizer)
 
 
 def _gradient(param: torch.Tensor) -> torch.Tensor:
@@ -111,6 +112,7 @@ class InnerTrainer:
         Exceptions it raises propagate (the step is not taken).
         """
         started = time.perf_counter()
+        lr = float(self.optimizer.param_groups[0]["lr"])  # before the scheduler moves it
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         total_loss, tokens = 0.0, 0
@@ -148,7 +150,7 @@ class InnerTrainer:
         self.optimizer.zero_grad(set_to_none=True)
         if self.scheduler is not None:
             self.scheduler.step()
-        return StepStats(total_loss, tokens, time.perf_counter() - started, sync_seconds)
+        return StepStats(total_loss, tokens, time.perf_counter() - started, sync_seconds, lr)
 
     def evaluate(self, batches: Sequence[torch.Tensor]) -> float:
         """Mean loss over held-out batches with the current parameters."""

@@ -10,9 +10,9 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
+from typing import TextIO
 
 from tqdm import tqdm
-from transformers.utils import logging as transformers_logging
 
 from p2p_diloco.events import Event
 
@@ -61,18 +61,22 @@ def _finite(value: object) -> object:
 
 
 class ProgressBars:
-    """Two console bars: inner steps (postfix: loss, tokens/s) and outer rounds (postfix: group size, eval loss).
+    """Two console bars on ``stream``: inner steps (postfix: loss, tokens/s) and the unit's outer rounds (postfix:
+    group size, eval loss); the log lines of :func:`configure_logging` are written above them.
 
-    With ``enabled=False`` no bar is created and every method is a no-op.
+    Bars are drawn only when ``enabled`` and ``stream`` is a terminal (redraws would fill a log file or
+    ``docker logs``); otherwise every method is a no-op.
     """
 
-    def __init__(self, total_inner_steps: int | None, enabled: bool):
+    def __init__(self, total_inner_steps: int | None, enabled: bool, stream: TextIO | None = None):
+        stream = stream or sys.stderr
         self._inner: tqdm | None = None
         self._outer: tqdm | None = None
         self._eval_loss: float | None = None
-        if enabled:
-            self._inner = tqdm(total=total_inner_steps, desc="inner steps", unit="step", position=0, dynamic_ncols=True)
-            self._outer = tqdm(desc="outer rounds", unit="round", position=1, dynamic_ncols=True)
+        if enabled and stream.isatty():
+            self._inner = tqdm(total=total_inner_steps, desc="inner steps", unit="step", position=0,
+                               dynamic_ncols=True, file=stream)  # fmt: skip
+            self._outer = tqdm(desc="outer rounds", unit="round", position=1, dynamic_ncols=True, file=stream)
 
     def inner_step(self, loss: float, tokens_per_s: float) -> None:
         """Advance the inner-step bar by one."""
@@ -80,15 +84,16 @@ class ProgressBars:
             self._inner.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:.0f}", refresh=False)
             self._inner.update(1)
 
-    def outer_round(self, group_size: int, eval_loss: float | None) -> None:
-        """Advance the outer-round bar by one; ``eval_loss`` None keeps the last one shown."""
+    def outer_round(self, unit_round: int, group_size: int, eval_loss: float | None) -> None:
+        """Show the unit's outer round (the metrics' ``unit_outer_round``: with fragments, one per P fragment
+        rounds); ``eval_loss`` None keeps the last one shown."""
         if self._outer is not None:
             self._eval_loss = eval_loss if eval_loss is not None else self._eval_loss
             postfix: dict[str, int | str] = {"group": group_size}
             if self._eval_loss is not None:
                 postfix["eval_loss"] = f"{self._eval_loss:.4f}"
             self._outer.set_postfix(postfix, refresh=False)
-            self._outer.update(1)
+            self._outer.update(unit_round - self._outer.n)
 
     def close(self) -> None:
         """Close both bars; idempotent."""
@@ -135,23 +140,35 @@ class Throughput:
         return self._seconds
 
 
+class _AboveBars(logging.StreamHandler):
+    """Writes each record through ``tqdm.write``: a line goes above the progress bars instead of through them."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            tqdm.write(self.format(record), file=self.stream)
+        except Exception:
+            self.handleError(record)
+
+
 def configure_logging(level: str = "INFO") -> None:
-    """Log ``time level name: message`` lines to stderr through the root logger at ``level``.
+    """Log ``time level name: message`` lines to stderr through the root logger at ``level``, above any progress
+    bars.
 
     hivemind's own handler is detached so its records go through the same root handler, and the
     ``hivemind`` loggers are held at WARNING unless ``level`` is DEBUG. Calling again replaces the
     handler installed by the previous call. Raises ValueError for an unknown level name.
     """
-    from hivemind.utils.logging import use_hivemind_log_handler  # importing hivemind installs its handler
-
     numeric_level = logging.getLevelNamesMapping().get(level.upper())
     if numeric_level is None:
         raise ValueError(f"unknown log level {level!r}")
+    from hivemind.utils.logging import use_hivemind_log_handler  # importing hivemind installs its handler
+    from transformers.utils import logging as transformers_logging
+
     use_hivemind_log_handler("nowhere")
     root = logging.getLogger()
     for handler in [handler for handler in root.handlers if handler.get_name() == _HANDLER_NAME]:
         root.removeHandler(handler)
-    handler = logging.StreamHandler(sys.stderr)
+    handler = _AboveBars(sys.stderr)
     handler.set_name(_HANDLER_NAME)
     handler.setFormatter(logging.Formatter(_LOG_FORMAT, datefmt=_LOG_DATE_FORMAT))
     handler.setLevel(numeric_level)

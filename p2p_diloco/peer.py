@@ -25,10 +25,11 @@ from p2p_diloco.inner import InnerTrainer
 from p2p_diloco.membership import MemberGate, MembershipError, load_run_access
 from p2p_diloco.metrics import MetricsLog
 from p2p_diloco.model import LoadedModel, load_model
-from p2p_diloco.plan import RoundPlan
+from p2p_diloco.plan import KeySchema, RoundPlan
 from p2p_diloco.ranks import Ranks, join_ranks, rank_identity, theta_probe
-from p2p_diloco.records import SwarmRecords, members_key, record_validators
+from p2p_diloco.records import SwarmRecords, members_key, record_validators, run_record_keys
 from p2p_diloco.state_sync import StateServer
+from p2p_diloco.tracking import RoundLines, UnitReport, open_trackers, run_description, write_run_file
 from p2p_diloco.unit import JoinError, LearningUnit, UnitNetwork
 
 SETTLE_GROUP_SIZE = 256  # the largest target group the configuration allows
@@ -119,10 +120,11 @@ def unit_in_swarm(
         settle = functools.partial(_settle_averager, dht, plan, gate.shunning_suspects(), keys.settle())
         network = UnitNetwork(averagers, consensus_averagers, state_server, records, peer_id, settle)
         signal.signal(signal.SIGINT, interrupt)  # starting a hivemind averager turned Ctrl+C off in this process
-        metrics = owned.enter_context(MetricsLog(Path(config.run.work_dir) / "metrics.jsonl"))
+        metrics = owned.enter_context(_unit_report(config, plan, peer_id))
         unit = LearningUnit(config, plan, loaded, data(peer_id), network, metrics, ranks, trainer, eval_batches)
         owned.enter_context(dropped_in_forked_children(unit.host_tensors))  # the settle averager's fork at exit
         source = unit.join()
+        _describe_run(config, metrics, peer_id, keys)
         metrics.write(events.Join(peer_id=peer_id, source=source, outer_round=unit.outer_round, ranks=ranks.world_size,
                                   trained_parameters=sum(param.numel() for param in theta),
                                   fingerprint=loaded.fingerprint, multiaddrs=multiaddrs))  # fmt: skip
@@ -133,6 +135,21 @@ def unit_in_swarm(
         finally:
             if not ranks.broken:  # else the launcher restarts the unit: no exit rounds with a broken unit
                 unit.finish()
+
+
+def _unit_report(config: SwarmSections, plan: RoundPlan, peer_id: str) -> UnitReport:
+    """Where the unit's events go (tracking.py)."""
+    work_dir = Path(config.run.work_dir)
+    trackers = open_trackers(config.run.report_to, work_dir, config.network.run_id, peer_id)
+    return UnitReport(MetricsLog(work_dir / "metrics.jsonl"), RoundLines(len(plan.fragments)), trackers)
+
+
+def _describe_run(config: SwarmSections, report: UnitReport, peer_id: str, keys: KeySchema) -> None:
+    """The run described once the unit joined: in its work dir (``run.json``) and to its trackers."""
+    description = run_description(config.model_dump(mode="json"), peer_id,
+                                  {**keys.prefixes(), **run_record_keys(config.network.run_id)})  # fmt: skip
+    write_run_file(Path(config.run.work_dir), description)
+    report.describe(description)
 
 
 def _run_follower(config: PeerConfig, loaded: LoadedModel, ranks: Ranks) -> None:

@@ -59,6 +59,16 @@ class KeySchema:
     def settle(self) -> str:
         return f"{self._base}_settle"
 
+    def prefixes(self) -> dict[str, str | list[str]]:
+        """Every prefix by what meets under it (the operator's view of the DHT)."""
+        numbers = range(self.fragments)
+        return {
+            "state": self.state(),
+            "fragment_rounds": [self.fragment_round(number) for number in numbers],
+            "consensus_rounds": [self.consensus_round(number) for number in numbers],
+            "settle": self.settle(),
+        }
+
 
 @dataclass(frozen=True)
 class RoundPlan:

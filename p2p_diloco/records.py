@@ -134,6 +134,16 @@ def donors_key(run_id: str) -> str:
     return f"{run_id}_donors"
 
 
+def model_key(run_id: str) -> str:
+    return f"{run_id}_model"
+
+
+def run_record_keys(run_id: str) -> dict[str, str]:
+    """The run's record keys by what they hold (the operator's view of the DHT)."""
+    return {"progress": progress_key(run_id), "members": members_key(run_id), "donors": donors_key(run_id),
+            "model": model_key(run_id)}  # fmt: skip
+
+
 def record_validators(access: RunAccess, private_key: RSAPrivateKey | None = None) -> list:
     """Validators to pass to ``start_dht``: the schema of the run's keys, record signatures, and the binding of each
     record's peer id to its signer (with ``access``'s membership rule).
@@ -237,7 +247,7 @@ class SwarmRecords:
         if not signers:
             raise ValueError("validators must include an RSASignatureValidator (use record_validators)")
         self.dht, self.access, self.run_id = dht, access, access.run_id
-        self.progress_key, self.model_key = progress_key(self.run_id), f"{self.run_id}_model"
+        self.progress_key, self.model_key = progress_key(self.run_id), model_key(self.run_id)
         self.donors_key = donors_key(self.run_id)
         self._subkey = signers[0].local_public_key
 

@@ -43,7 +43,7 @@ from p2p_diloco.forking import optimizer_tensors
 from p2p_diloco.goodput import LEDGER_FILE, GoodputLedger
 from p2p_diloco.inner import InnerTrainer, StepStats, copy_into, host_copies
 from p2p_diloco.members import believed_rounds
-from p2p_diloco.metrics import MetricsLog, ProgressBars, Throughput
+from p2p_diloco.metrics import ProgressBars, Throughput
 from p2p_diloco.model import LoadedModel, export_pretrained
 from p2p_diloco.plan import FINAL_ROUND_SLACK_S, RoundPlan
 from p2p_diloco.ranks import Ranks, ThetaLink, UnitStart, theta_probe
@@ -89,7 +89,7 @@ class LearningUnit:
         loaded: LoadedModel,
         data: TextData | None,
         network: UnitNetwork,
-        metrics: MetricsLog,
+        metrics: events.EventSink,
         ranks: Ranks | None = None,
         trainer: InnerTrainer | None = None,
         eval_batches: Sequence[torch.Tensor] = (),
@@ -221,7 +221,7 @@ class LearningUnit:
         ended = self.poll_round()
         fragments = [end for end in ended if end.kind is RoundKind.FRAGMENT]
         if fragments:
-            self._progress.outer_round(fragments[-1].group_size, self.last_eval)
+            self._progress.outer_round(self.outer_round, fragments[-1].group_size, self.last_eval)
         self.maybe_begin_round()
         if time.monotonic() - self._last_progress >= PROGRESS_EVERY_S:
             self._publish_progress()
@@ -267,8 +267,8 @@ class LearningUnit:
         self.ledger.record_step(stats.seconds, tokens)
         self.last_loss = stats.loss
         self.throughput.add(tokens, period)
-        if self.inner_step % events.InnerStep.every == 0:
-            self.metrics.write(events.InnerStep(step=self.inner_step, loss=stats.loss, seconds=stats.seconds))
+        self.metrics.write(events.InnerStep(step=self.inner_step, loss=stats.loss, seconds=stats.seconds, lr=stats.lr,
+                                            tokens_per_s=self.throughput.tokens_per_s))  # fmt: skip
         return stats
 
     def poll_round(self) -> list[RoundEnd]:
@@ -329,7 +329,7 @@ class LearningUnit:
             outer_round=end.outer_round, unit_outer_round=end.unit_outer_round, group_size=end.group_size,
             overlap_steps=end.overlap_steps, seconds=end.seconds, weight=end.weight, member_drift=end.member_drift,
             useful_compute_s=self.ledger.useful_compute_s, useful_tokens=self.ledger.useful_tokens,
-            **(self._wire_fields() if end.advanced else {}),
+            goodput=self.ledger.goodput(time.time()), **(self._wire_fields() if end.advanced else {}),
         ))  # fmt: skip
         self._write_probe()
         if end.advanced and self.outer_round % self.config.run.eval_every_rounds == 0:

@@ -1,4 +1,5 @@
-"""Pins that keep hivemind 1.1.12 working: numpy < 2.4 for its 8-bit codecs (which fail silently on 2.4)."""
+"""Pins that keep hivemind 1.1.12 working (numpy < 2.4 for its 8-bit codecs, which fail silently on 2.4), and version
+ranges that say what the code needs."""
 
 from __future__ import annotations
 
@@ -27,11 +28,16 @@ def test_numpy_is_pinned_below_2_4_and_installed_accordingly() -> None:
     assert numpy_requirement.specifier.contains(numpy.__version__)
 
 
-def test_torch_pin_admits_the_cpu_build_on_disk_and_nothing_newer() -> None:
+def test_torch_range_admits_newer_releases_and_needs_fsdp2() -> None:
     torch_requirement = _requirement("torch")
-    assert torch_requirement.specifier.contains("2.13.0")
-    assert not torch_requirement.specifier.contains("2.14.0")
+    for release in ("2.6.0", "2.13.0", "2.14.1", "3.0.0"):  # a GPU box's newer torch is kept, not replaced
+        assert torch_requirement.specifier.contains(release), release
+    assert not torch_requirement.specifier.contains("2.5.1"), "--shard-model imports torch.distributed.fsdp.fully_shard"
     assert Version(torch.__version__.split("+")[0]) in torch_requirement.specifier
+
+
+def test_transformers_floor_has_from_pretrained_dtype() -> None:
+    assert not _requirement("transformers").specifier.contains("4.55.4"), "model.py passes dtype= (4.56 and later)"
 
 
 @pytest.mark.parametrize(

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import re
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -34,13 +36,13 @@ def test_metrics_log_writes_one_json_object_per_line(tmp_path: Path) -> None:
     path = tmp_path / "deep" / "metrics.jsonl"
     before = time.time()
     with MetricsLog(path) as log:
-        log.write(InnerStep(step=1, loss=2.5, seconds=0.25))
+        log.write(InnerStep(step=1, loss=2.5, seconds=0.25, lr=1e-3))
         assert _lines(path)[0]["step"] == 1, "lines are flushed as they are written"
         log.write(Eval(reason="join", outer_round=0, eval_loss=None))
     records = _lines(path)
     assert [record["event"] for record in records] == ["inner_step", "eval"]
     first = {key: value for key, value in records[0].items() if key != "time"}
-    assert first == {"event": "inner_step", "step": 1, "loss": 2.5, "seconds": 0.25}
+    assert first == {"event": "inner_step", "step": 1, "loss": 2.5, "seconds": 0.25, "lr": 1e-3, "tokens_per_s": None}
     assert before <= records[0]["time"] <= records[1]["time"] <= time.time()
 
 
@@ -114,25 +116,35 @@ def test_metrics_log_lines_from_threads_do_not_interleave(tmp_path: Path) -> Non
         assert [record.index for record in records if record.writer == name] == list(range(200))
 
 
-def test_progress_bars_show_postfix(capsys: pytest.CaptureFixture[str]) -> None:
-    bars = ProgressBars(total_inner_steps=10, enabled=True)
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_bars_show_postfix_and_the_units_round() -> None:
+    terminal = _Terminal()
+    bars = ProgressBars(total_inner_steps=10, enabled=True, stream=terminal)
     bars.inner_step(loss=3.14159, tokens_per_s=1234.4)
-    bars.outer_round(group_size=3, eval_loss=2.5)
-    bars.outer_round(group_size=2, eval_loss=None)
+    bars.outer_round(unit_round=1, group_size=3, eval_loss=2.5)
+    bars.outer_round(unit_round=4, group_size=2, eval_loss=None)  # fragment rounds of later unit rounds
     bars.close()
     bars.close()
-    err = capsys.readouterr().err
-    assert "loss=3.1416" in err and "tok_s=1234" in err
-    assert "1/10" in err
-    assert err.rstrip().splitlines()[-1].endswith("group=2, eval_loss=2.5000]"), "the last eval loss stays shown"
+    out = terminal.getvalue()
+    assert "loss=3.1416" in out and "tok_s=1234" in out
+    assert "1/10" in out
+    last = out.replace("\r", "\n").rstrip().splitlines()[-1]
+    assert "outer rounds: 4round " in last, "the bar shows the unit's round, not the fragment rounds counted"
+    assert last.endswith("group=2, eval_loss=2.5000]"), "the last eval loss stays shown"
 
 
-def test_disabled_progress_bars_print_nothing(capsys: pytest.CaptureFixture[str]) -> None:
-    bars = ProgressBars(total_inner_steps=None, enabled=False)
-    bars.inner_step(loss=1.0, tokens_per_s=1.0)
-    bars.outer_round(group_size=1, eval_loss=1.0)
-    bars.close()
+def test_progress_bars_stay_off_when_not_on_a_terminal(capsys: pytest.CaptureFixture[str]) -> None:
+    file = io.StringIO()  # a log file, docker logs: no redraws
+    for bars in (ProgressBars(total_inner_steps=None, enabled=False), ProgressBars(10, enabled=True, stream=file)):
+        bars.inner_step(loss=1.0, tokens_per_s=1.0)
+        bars.outer_round(unit_round=1, group_size=1, eval_loss=1.0)
+        bars.close()
     assert capsys.readouterr() == ("", "")
+    assert file.getvalue() == ""
 
 
 def test_throughput_is_none_before_any_sample() -> None:
@@ -209,6 +221,19 @@ def test_configure_logging_debug_shows_hivemind_and_error_hides_warnings(capsys:
     logging.getLogger("hivemind.dht").warning("not shown")
     logging.getLogger("p2p_diloco").warning("not shown")
     assert capsys.readouterr().err == ""
+
+
+@pytest.mark.usefixtures("restore_logging")
+def test_log_lines_go_above_the_progress_bars(monkeypatch: pytest.MonkeyPatch) -> None:
+    terminal = _Terminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    configure_logging("INFO")
+    bars = ProgressBars(total_inner_steps=10, enabled=True)
+    bars.inner_step(loss=1.0, tokens_per_s=1.0)
+    logging.getLogger("p2p_diloco.test").info("a line of its own")
+    bars.close()
+    lines = terminal.getvalue().replace("\r", "\n").splitlines()
+    assert any(line.endswith("INFO p2p_diloco.test: a line of its own") and "inner steps" not in line for line in lines)
 
 
 def test_configure_logging_rejects_unknown_level() -> None:
