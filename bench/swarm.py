@@ -83,6 +83,23 @@ class Swarm:
         self.killed.discard(name)
         return self.processes[name]
 
+    def dashboard(self, name: str, initial_peers: Sequence[str], interval_s: float = 1.0,
+                  timeout_s: float = 60.0) -> str:  # fmt: skip
+        """Start ``p2p-diloco dashboard`` of the swarm's run on a free port and return its URL once it listens."""
+        work_dir = self.root / name
+        work_dir.mkdir(parents=True, exist_ok=True)
+        command = [*CLI, "dashboard", "--run-id", self.run_id, "--initial-peers", *initial_peers,
+                   "--host", self.network.host(name), "--port", "0", "--interval", str(interval_s)]  # fmt: skip
+        self.processes[name] = spawn(self.network.wrap(name, command), work_dir / "stdout.log")
+        self.killed.discard(name)
+        log = work_dir / "stdout.log"
+
+        def address() -> str | None:
+            lines = [line for line in log.read_text().splitlines() if " at http://" in line] if log.exists() else []
+            return lines[-1].rsplit(" at ", 1)[1] if lines else None
+
+        return self.wait_for(address, timeout_s, f"the address of {name}")
+
     def running(self, name: str) -> bool:
         process = self.processes.get(name)
         return process is not None and process.poll() is None

@@ -1,4 +1,4 @@
-"""``p2p-diloco {bootstrap, join, status, demo}``: parse arguments, call one ``run_*`` function, map errors.
+"""``p2p-diloco <command>``: parse arguments, call one ``run_*`` function, map errors.
 
 Bad input (config, model, dataset, addresses, an unreachable swarm, a model that does not match the swarm's)
 prints one ``error: ...`` line to stderr and exits with status 2.
@@ -23,7 +23,11 @@ def _log_level_argument(parser: argparse.ArgumentParser, default: str) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="p2p-diloco", description=__doc__.splitlines()[0], allow_abbrev=False)
+    parser = argparse.ArgumentParser(
+        prog="p2p-diloco",
+        description="Peer-to-peer, fault-tolerant, low-bandwidth DiLoCo training of Hugging Face language models.",
+        allow_abbrev=False,
+    )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     _log_level_argument(parser, default="INFO")
     after_command = argparse.ArgumentParser(add_help=False)  # --log-level after the command wins over one before
@@ -42,7 +46,17 @@ def _parser() -> argparse.ArgumentParser:
 
     status = subcommand("status", help="print the swarm as the DHT sees it")
     add_config_arguments(status, sections=("network",))
+    status.add_argument("--json", action="store_true", help="one JSON object: every peer and the swarm's totals")
+    status.add_argument("--watch", action="store_true", help="read again every --interval seconds until Ctrl+C")
+    status.add_argument("--interval", type=_positive_seconds, default=5.0, help="seconds between reads (default 5)")
     status.set_defaults(handler=_status)
+
+    dashboard = subcommand("dashboard", help="serve a live web page of the swarm (read from the DHT alone)")
+    add_config_arguments(dashboard, sections=("network",))
+    dashboard.add_argument("--host", default="127.0.0.1", help="address to serve on (default 127.0.0.1)")
+    dashboard.add_argument("--port", type=int, default=8080, help="port to serve on (default 8080; 0: any free one)")
+    dashboard.add_argument("--interval", type=_positive_seconds, default=5.0, help="seconds between DHT reads")
+    dashboard.set_defaults(handler=_dashboard)
 
     run_key = subcommand("run-key", help="create a private run's key (its owner keeps it)")
     run_key.add_argument("--out", type=Path, required=True, help="key file to create (an existing one is kept)")
@@ -112,12 +126,29 @@ def _join(args: argparse.Namespace) -> int:
     return 0
 
 
+def _positive_seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
 def _status(args: argparse.Namespace) -> int:
     network = load_network_section(args)
     _start_logging(args)
+    from p2p_diloco.lifecycle import install_stop_signals
     from p2p_diloco.status import run_status
 
-    return run_status(network)
+    stop = install_stop_signals() if args.watch else None
+    return run_status(network, as_json=args.json, watch_s=args.interval if args.watch else None, stop=stop)
+
+
+def _dashboard(args: argparse.Namespace) -> int:
+    network = load_network_section(args)
+    _start_logging(args)
+    from p2p_diloco.dashboard import run_dashboard
+
+    return run_dashboard(network, host=args.host, port=args.port, interval_s=args.interval)
 
 
 def _run_key(args: argparse.Namespace) -> int:

@@ -48,7 +48,7 @@ else:
     _ROUNDS = pydantic.conlist(_COUNT, min_items=1, max_items=4096)
 Phase = Literal["training", "finishing", "left"]
 """Where a unit is in its life, as its progress record says."""
-_FLOAT_FIELDS = ("tokens_per_s", "loss", "last_seen", "useful_compute_s", "allocated_s")
+_FLOAT_FIELDS = ("tokens_per_s", "loss", "last_seen", "useful_compute_s", "allocated_s", "eval_loss")
 
 
 class PeerProgress(pydantic.BaseModel):
@@ -69,6 +69,7 @@ class PeerProgress(pydantic.BaseModel):
     useful_compute_s: _NON_NEGATIVE = 0.0  # goodput numerator (p2p_diloco/goodput.py); 0.0 from older peers
     allocated_s: _NON_NEGATIVE = 0.0  # goodput denominator; 0.0 from older peers
     phase: Phase = "training"  # "finishing": in its final and settle rounds; "left": its last record
+    eval_loss: _NON_NEGATIVE | None = None  # held-out loss of its φ at its last eval; None: none yet, or an older peer
     admission: _ADMISSION_TEXT = ""  # a private run's admission of ``peer_id`` (membership.py); "" in an open run
 
     class Config:
@@ -79,8 +80,8 @@ class PeerProgress(pydantic.BaseModel):
         return float(value) if type(value) is int else value
 
     @pydantic.validator(*_FLOAT_FIELDS)
-    def _finite(cls, value: float) -> float:
-        if not math.isfinite(value):
+    def _finite(cls, value: float | None) -> float | None:
+        if value is not None and not math.isfinite(value):
             raise ValueError("must be finite")
         return value
 

@@ -1,8 +1,15 @@
-"""``status``: join the swarm as a DHT client and print every peer's last reported progress."""
+"""``status``: join the swarm as a DHT client and show every peer's last reported progress, once or live, as a table or
+as JSON; :class:`SwarmView` and :func:`swarm_snapshot` are what the dashboard (dashboard.py) reads too.
+
+Everything shown comes from the run's signed progress records in the DHT (records.py): there is no central store.
+"""
 
 from __future__ import annotations
 
+import json
 import sys
+import threading
+from typing import Literal, TextIO
 
 from hivemind.utils import get_dht_time
 
@@ -11,32 +18,107 @@ from p2p_diloco.dht import start_dht, stop_dht
 from p2p_diloco.membership import load_run_access
 from p2p_diloco.records import PeerProgress, SwarmRecords, record_validators
 
-_HEADER = ("peer", "inner step", "outer round", "tokens/s", "loss", "last seen", "group size", "goodput")
+STALE_AFTER_S = 60.0  # a peer silent for longer is shown as stale (it publishes every few seconds)
+PeerState = Literal["live", "stale", "left"]
+_HEADER = ("peer", "inner step", "outer round", "tokens/s", "loss", "eval loss", "last seen", "group size", "goodput")
+_CLEAR_SCREEN = "\x1b[H\x1b[2J"
 
 
-def run_status(network: NetworkSection, stale_after_s: float = 60) -> int:
-    """Print a table of the PeerProgress records of ``network.run_id``; return 0, or 1 with a one-line message on
-    stderr when no peer reported. Rows older than ``stale_after_s`` are marked. Raises ConfigError without
-    initial peers and NetworkError when the swarm cannot be reached.
+class SwarmView:
+    """A client-mode DHT node of ``network.run_id`` that reads the run's progress records; close it when done.
 
     Joins with a fresh, throw-away identity (never ``network.identity_path``: that one may belong to a live peer). With
-    ``network.admission`` (any member's), only the private run's members are shown.
+    ``network.admission`` (any member's), only the private run's members are read. Raises ConfigError without initial
+    peers and NetworkError when the swarm cannot be reached.
     """
-    if not network.initial_peers:
-        raise ConfigError("status needs --initial-peers (a multiaddr of any live swarm member)")
-    access = load_run_access(network.run_id, network.admission, peer_id=None)
-    network = network.model_copy(update={"identity_path": None})
-    validators = record_validators(access)
-    dht = start_dht(network, record_validators=validators, client_mode=True)
+
+    def __init__(self, network: NetworkSection):
+        if not network.initial_peers:
+            raise ConfigError("needs --initial-peers (a multiaddr of any live swarm member)")
+        self.run_id = network.run_id
+        access = load_run_access(network.run_id, network.admission, peer_id=None)
+        validators = record_validators(access)
+        self._dht = start_dht(network.model_copy(update={"identity_path": None}), record_validators=validators,
+                              client_mode=True)  # fmt: skip
+        self._records = SwarmRecords(self._dht, access, validators)
+
+    def read(self) -> list[PeerProgress]:
+        """The unexpired, well-formed progress records, one per peer (empty when the read failed)."""
+        return list(self._records.read_progress().values())
+
+    def close(self) -> None:
+        stop_dht(self._dht)
+
+
+def peer_state(row: PeerProgress, now: float, stale_after_s: float = STALE_AFTER_S) -> PeerState:
+    """ "left" for a peer that announced it left, "stale" for one silent for over ``stale_after_s``, else "live"."""
+    if row.phase == "left":
+        return "left"
+    return "stale" if _age_s(row, now) > stale_after_s else "live"
+
+
+def swarm_snapshot(run_id: str, rows: list[PeerProgress], now: float, stale_after_s: float = STALE_AFTER_S) -> dict:
+    """One JSON-ready object: every peer (its record, its state and age, sorted by peer id) and the swarm's totals
+    over the live peers (summed tokens/s, goodput as summed useful compute / summed allocated peer-time, mean eval
+    loss of those that reported one)."""
+    peers = []
+    for row in sorted(rows, key=lambda item: item.peer_id):
+        record = row.dict(exclude={"admission"})
+        peers.append({**record, "state": peer_state(row, now, stale_after_s), "age_s": round(_age_s(row, now), 1)})
+    live = [row for row in rows if peer_state(row, now, stale_after_s) == "live"]
+    allocated = sum(row.allocated_s for row in live)
+    evals = [row.eval_loss for row in live if row.eval_loss is not None]
+    swarm = {
+        "live_peers": len(live),
+        "peers": len(rows),
+        "tokens_per_s": sum(row.tokens_per_s for row in live),
+        "goodput": sum(row.useful_compute_s for row in live) / allocated if allocated > 0 else None,
+        "eval_loss": sum(evals) / len(evals) if evals else None,
+        "max_outer_round": max((row.outer_round for row in live), default=None),
+        "mean_group_size": sum(row.group_size for row in live) / len(live) if live else None,
+    }
+    return {"run_id": run_id, "time": now, "peers": peers, "swarm": swarm}
+
+
+def run_status(
+    network: NetworkSection,
+    stale_after_s: float = STALE_AFTER_S,
+    as_json: bool = False,
+    watch_s: float | None = None,
+    stop: threading.Event | None = None,
+    out: TextIO | None = None,
+) -> int:
+    """Show the progress records of ``network.run_id`` on ``out`` (stdout): a table, or with ``as_json`` one JSON
+    object (:func:`swarm_snapshot`). Once: return 0, or 1 with a one-line message on stderr when no peer reported.
+    With ``watch_s``: again every ``watch_s`` seconds until ``stop`` is set (the table redrawn in place on a terminal;
+    JSON as one object per line), then return 0. Raises as :class:`SwarmView`."""
+    out = out or sys.stdout
+    view = SwarmView(network)
     try:
-        progress = SwarmRecords(dht, access, validators).read_progress()
+        if watch_s is None:
+            rows = view.read()
+            if not rows:
+                print(f"error: no peer of run '{network.run_id}' has reported progress", file=sys.stderr)
+                return 1
+            print(_render(network.run_id, rows, stale_after_s, as_json), file=out)
+            return 0
+        stop = stop or threading.Event()
+        redraw = not as_json and out.isatty()
+        while not stop.is_set():
+            rows = view.read()
+            text = _render(network.run_id, rows, stale_after_s, as_json) if rows else "no peer has reported progress"
+            print((_CLEAR_SCREEN if redraw else "") + text + ("" if redraw or as_json else "\n"), file=out, flush=True)
+            stop.wait(watch_s)
+        return 0
     finally:
-        stop_dht(dht)
-    if not progress:
-        print(f"error: no peer of run '{network.run_id}' has reported progress", file=sys.stderr)
-        return 1
-    print(format_table(list(progress.values()), get_dht_time(), stale_after_s))
-    return 0
+        view.close()
+
+
+def _render(run_id: str, rows: list[PeerProgress], stale_after_s: float, as_json: bool) -> str:
+    now = get_dht_time()
+    if as_json:
+        return json.dumps(swarm_snapshot(run_id, rows, now, stale_after_s))
+    return format_table(rows, now, stale_after_s)
 
 
 def format_table(rows: list[PeerProgress], now: float, stale_after_s: float) -> str:
@@ -44,6 +126,7 @@ def format_table(rows: list[PeerProgress], now: float, stale_after_s: float) -> 
     stale nor left: their summed useful compute / summed allocated peer-time)."""
     lines = [_HEADER]
     for row in sorted(rows, key=lambda item: item.peer_id):
+        state = peer_state(row, now, stale_after_s)
         lines.append(
             (
                 row.peer_id,
@@ -51,27 +134,21 @@ def format_table(rows: list[PeerProgress], now: float, stale_after_s: float) -> 
                 str(row.outer_round),
                 f"{row.tokens_per_s:.1f}",
                 f"{row.loss:.4f}",
-                f"{_age_s(row, now):.0f} s ago" + _gone(row, now, stale_after_s),
+                "n/a" if row.eval_loss is None else f"{row.eval_loss:.4f}",
+                f"{_age_s(row, now):.0f} s ago" + ("" if state == "live" else f" ({state})"),
                 str(row.group_size),
                 _percent(row.useful_compute_s, row.allocated_s),
             )
         )
     widths = [max(len(line[column]) for line in lines) for column in range(len(_HEADER))]
     table = "\n".join("  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip() for line in lines)
-    live = [row for row in rows if not _gone(row, now, stale_after_s)]
+    live = [row for row in rows if peer_state(row, now, stale_after_s) == "live"]
     swarm = _percent(sum(row.useful_compute_s for row in live), sum(row.allocated_s for row in live))
     return f"{table}\nswarm goodput: {swarm} over {len(live)} live peers (useful compute / allocated peer-time)"
 
 
 def _age_s(row: PeerProgress, now: float) -> float:
     return max(0.0, now - row.last_seen)
-
-
-def _gone(row: PeerProgress, now: float, stale_after_s: float) -> str:
-    """ " (left)" for a peer that announced it left, " (stale)" for one silent for over ``stale_after_s``, else ""."""
-    if row.phase == "left":
-        return " (left)"
-    return " (stale)" if _age_s(row, now) > stale_after_s else ""
 
 
 def _percent(useful_s: float, allocated_s: float) -> str:

@@ -388,6 +388,7 @@ class LearningUnit:
                 useful_compute_s=self.ledger.useful_compute_s,
                 allocated_s=self.ledger.allocated_s(time.time()),
                 phase=phase,
+                eval_loss=self.last_eval if self.last_eval is not None and math.isfinite(self.last_eval) else None,
             ),
             ttl_s=PROGRESS_TTL_S,
             wait=phase != "training",

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import io
+import json
 import logging
+import threading
 from concurrent.futures import Future
 
 import pytest
@@ -218,3 +221,34 @@ def test_status_prints_table_of_live_peers(swarm, capsys):
     empty = NetworkSection(run_id="nobody-here", initial_peers=visible_multiaddrs(a.dht))
     assert run_status(empty) == 1
     assert "no peer of run 'nobody-here'" in capsys.readouterr().err
+
+
+class _StopAfter(io.StringIO):
+    """Output that sets ``stop`` once ``reads`` reads were printed."""
+
+    def __init__(self, stop: threading.Event, reads: int):
+        super().__init__()
+        self.stop, self.reads = stop, reads
+
+    def write(self, text: str) -> int:
+        written = super().write(text)
+        if self.getvalue().count("\n") >= self.reads:  # one line per read
+            self.stop.set()
+        return written
+
+
+def test_status_watch_prints_one_json_object_per_read_until_stopped(swarm):
+    a, b = swarm
+    pa, pb = ids(a, b)
+    a.publish_progress(progress(pa, eval_loss=3.5), wait=True)
+    b.publish_progress(progress(pb, phase="left"), wait=True)
+    wait_until(lambda: len(a.read_progress()) == 2, 10, "both records")
+    stop = threading.Event()
+    out = _StopAfter(stop, reads=2)
+    network = NetworkSection(run_id=RUN_ID, initial_peers=visible_multiaddrs(a.dht))
+    assert run_status(network, as_json=True, watch_s=0.05, stop=stop, out=out) == 0
+    snapshots = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert len(snapshots) == 2
+    peers = {peer["peer_id"]: peer for peer in snapshots[-1]["peers"]}
+    assert peers[pa]["state"] == "live" and peers[pa]["eval_loss"] == 3.5 and peers[pb]["state"] == "left"
+    assert snapshots[-1]["swarm"]["live_peers"] == 1 and snapshots[-1]["swarm"]["eval_loss"] == 3.5
