@@ -185,12 +185,27 @@ def _pretrained_model(
     """from_pretrained straight into ``dtype`` (no float32 copy of a half-precision model on the way; transformers
     before 5 is asked for its low-memory loading, which later releases always do), failures wrapped in
     ModelLoadError."""
+    _check_model_folder(name, gguf_file)
     kwargs: dict[str, object] = {"gguf_file": gguf_file, **options} if gguf_file else dict(options)
     return _load(
         "model",
         name,
         lambda: AutoModelForCausalLM.from_pretrained(name, dtype=dtype, low_cpu_mem_usage=True, **kwargs),
     )
+
+
+def _check_model_folder(name: str, gguf_file: str | None) -> None:
+    """For a local folder, what transformers would misreport: GGUF weights without ``--gguf-file`` ("Should have a
+    `model_type` key") and a ``--gguf-file`` that is not there (it would try the hub). Raises ModelLoadError."""
+    folder = Path(name).expanduser()
+    if not folder.is_dir():
+        return
+    ggufs = sorted(path.name for path in folder.glob("*.gguf"))
+    if gguf_file is None and ggufs and not (folder / "config.json").exists():
+        raise ModelLoadError(f"model folder '{name}' holds GGUF weights and no config.json: add --gguf-file {ggufs[0]}")
+    if gguf_file is not None and not (folder / gguf_file).is_file():
+        found = f"its GGUF files: {', '.join(ggufs)}" if ggufs else "it holds no .gguf file"
+        raise ModelLoadError(f"--gguf-file '{gguf_file}' is not in the model folder '{name}' ({found})")
 
 
 def _initialised_model(config_path: str, seed: int, options: dict[str, str]) -> transformers.PreTrainedModel:
@@ -222,12 +237,27 @@ def _config_dir(config_path: str) -> str:
 def _load_tokenizer(source: str, gguf_file: str | None) -> transformers.PreTrainedTokenizerBase:
     """AutoTokenizer with a pad token (eos when it has none); ModelLoadError when impossible."""
     kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+    if _bare_byte_level_bpe(source):
+        logger.info("tokenizer '%s' has only vocab.json and merges.txt: loading it as GPT-2's byte-level BPE", source)
+        kwargs["tokenizer_type"] = "gpt2"
     tokenizer = _load("tokenizer", source, lambda: AutoTokenizer.from_pretrained(source, **kwargs))
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise ModelLoadError(f"tokenizer '{source}' has neither a pad nor an eos token")
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def _bare_byte_level_bpe(source: str) -> bool:
+    """A local folder with a byte-level BPE's vocab.json and merges.txt and nothing that names the tokenizer's class
+    (AutoTokenizer would fail with "Couldn't instantiate the backend tokenizer")."""
+    folder = Path(source).expanduser()
+    files = {path.name for path in folder.iterdir()} if folder.is_dir() else set()
+    return {"vocab.json", "merges.txt"} <= files and not files & {
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "config.json",
+    }
 
 
 def _check_vocab(model: transformers.PreTrainedModel, tokenizer: transformers.PreTrainedTokenizerBase) -> None:
@@ -253,6 +283,11 @@ def _load(what: str, name: str, loader: Callable[[], _T]) -> _T:
         return loader()
     except _LOAD_ERRORS as error:
         logger.debug("loading %s %r failed", what, name, exc_info=True)
+        if "Couldn't instantiate the backend tokenizer" in str(error):
+            raise ModelLoadError(
+                f"{what} '{name}' could not be built: it needs a tokenizer.json or a tokenizer_config.json naming its "
+                "class (save_pretrained writes both), or sentencepiece / tiktoken to convert its slow tokenizer"
+            ) from error
         if local:
             raise ModelLoadError(f"{what} '{name}' could not be loaded: {first_line(error)}") from error
         raise ModelLoadError(

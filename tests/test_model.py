@@ -115,9 +115,37 @@ def test_missing_config_and_tokenizer_are_reported(tmp_path: Path) -> None:
         load_model(ModelSection(model_config_path=str(TINY), tokenizer="./no-tokenizer", device="cpu"))
     empty = tmp_path / "empty"
     empty.mkdir()
-    with pytest.raises(ModelLoadError, match=r"^tokenizer '.*empty' could not be loaded: ") as caught:
+    with pytest.raises(
+        ModelLoadError, match=r"^tokenizer '.*empty' could not be built: it needs a tokenizer.json"
+    ) as caught:
         load_model(ModelSection(model_config_path=str(TINY), tokenizer=str(empty), device="cpu"))
     assert "\n" not in str(caught.value)
+
+
+def test_gguf_folders_are_explained(tmp_path: Path) -> None:
+    folder = tmp_path / "gguf-only"
+    folder.mkdir()
+    (folder / "model-q8_0.gguf").write_bytes(b"GGUF")  # never read: the folder is checked first
+    with pytest.raises(
+        ModelLoadError, match=r"holds GGUF weights and no config.json: add --gguf-file model-q8_0.gguf$"
+    ):
+        load_model(ModelSection(model=str(folder), device="cpu"))
+    with pytest.raises(ModelLoadError, match=r"'model-q4.gguf' is not in the model folder .*model-q8_0.gguf\)$"):
+        load_model(ModelSection(model=str(folder), gguf_file="model-q4.gguf", device="cpu"))
+
+
+def test_a_bare_vocab_and_merges_folder_loads_as_byte_level_bpe(tmp_path: Path) -> None:
+    reference = AutoTokenizer.from_pretrained(TINY)
+    bpe = json.loads((TINY / "tokenizer.json").read_text())["model"]
+    folder = tmp_path / "vocab-merges"
+    folder.mkdir()
+    (folder / "vocab.json").write_text(json.dumps(bpe["vocab"]))
+    merges = [" ".join(merge) if isinstance(merge, list) else merge for merge in bpe["merges"]]
+    (folder / "merges.txt").write_text("#version: 0.2\n" + "\n".join(merges) + "\n")
+    loaded = load_model(ModelSection(model_config_path=str(TINY), tokenizer=str(folder), device="cpu"))
+    text = "Call me Ishmael. Some years ago"
+    assert loaded.tokenizer(text)["input_ids"] == reference(text)["input_ids"]
+    assert len(loaded.tokenizer) == len(reference)
 
 
 def test_tokenizer_larger_than_model_vocabulary_is_refused(tmp_path: Path) -> None:
