@@ -58,6 +58,12 @@ def _parser() -> argparse.ArgumentParser:
     dashboard.add_argument("--interval", type=_positive_seconds, default=5.0, help="seconds between DHT reads")
     dashboard.set_defaults(handler=_dashboard)
 
+    export = subcommand("export", help="turn a unit's checkpoint into a Hugging Face model folder")
+    export.add_argument("--work-dir", type=Path, required=True, help="the unit's work dir (checkpoint.pt, run.json)")
+    export.add_argument("--out", type=Path, required=True, help="model folder to write (replaced atomically)")
+    export.add_argument("--adapter-only", action="store_true", help="with LoRA: the adapter alone, not merged")
+    export.set_defaults(handler=_export)
+
     run_key = subcommand("run-key", help="create a private run's key (its owner keeps it)")
     run_key.add_argument("--out", type=Path, required=True, help="key file to create (an existing one is kept)")
     run_key.set_defaults(handler=_run_key)
@@ -149,6 +155,13 @@ def _dashboard(args: argparse.Namespace) -> int:
     from p2p_diloco.dashboard import run_dashboard
 
     return run_dashboard(network, host=args.host, port=args.port, interval_s=args.interval)
+
+
+def _export(args: argparse.Namespace) -> int:
+    _start_logging(args)
+    from p2p_diloco.export import run_export
+
+    return run_export(args.work_dir, args.out, adapter_only=args.adapter_only)
 
 
 def _run_key(args: argparse.Namespace) -> int:

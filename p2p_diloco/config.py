@@ -205,6 +205,9 @@ class RunSection(_Section):
     work_dir: str = Field("runs/peer", description="checkpoints, metrics.jsonl and logs of this peer")
     save_dir: str | None = Field(None, description="export the consensus model here (save_pretrained) on exit")
     checkpoint_every_rounds: int = Field(5, ge=1, description="write a local checkpoint every N outer rounds")
+    export_every_rounds: int | None = Field(
+        None, ge=1, description="also export the consensus model to --save-dir every N outer rounds while training"
+    )
     eval_every_rounds: int = Field(1, ge=1, description="evaluate the consensus model every N outer rounds")
     progress: bool = Field(True, description="show console progress bars (on a terminal only)")
     report_to: list[Literal["tensorboard", "wandb"]] = Field(
@@ -225,6 +228,12 @@ class RunSection(_Section):
         description="with several ranks: shard θ, its gradients and AdamW state over them (FSDP), for a model whose "
         "training state does not fit one device; rank 0 keeps θ whole on the host",
     )
+
+    @model_validator(mode="after")
+    def _exports_have_a_place(self) -> RunSection:
+        if self.export_every_rounds is not None and self.save_dir is None:
+            raise ValueError("--export-every-rounds needs --save-dir: the folder the model is exported to")
+        return self
 
     @field_validator("report_to", mode="before")
     @classmethod

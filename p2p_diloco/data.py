@@ -35,6 +35,7 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import datasets
 import torch
@@ -45,6 +46,7 @@ from p2p_diloco.errors import UserError, first_line
 from p2p_diloco.model import looks_local
 
 logger = logging.getLogger(__name__)
+K = TypeVar("K")
 
 SHUFFLE_BUFFER = 10_000
 _TOKENIZE_CHUNK = 64
@@ -72,25 +74,67 @@ class TextData:
     shard_seed: int = 0
     evaluated: frozenset[bytes] = field(default=frozenset(), repr=False)  # digests of the eval dataset's documents read
 
-    def train_batches(self) -> Iterator[torch.Tensor]:
-        """Infinite stream of full training batches, restarting from epoch 0 of this peer's order at each call.
+    def train_batches(self, start: DataPosition | None = None) -> TrainingStream:
+        """Infinite stream of full training batches from ``start`` (default: epoch 0 of this peer's order).
 
         Raises DatasetLoadError if an epoch yields no training document.
         """
-        rows = _pack(_token_ids(self._training_texts(), self.tokenizer), self.section.seq_len)
-        return _batches(rows, self.section.batch_size, keep_partial=False)
+        return TrainingStream(self, start or DataPosition())
 
-    def _training_texts(self) -> Iterator[str]:
-        """Training documents, epoch after epoch, each epoch in its own shuffled order."""
-        for epoch in itertools.count():
+    def _training_texts(self, start: DataPosition) -> Iterator[tuple[DataPosition, str]]:
+        """Training documents from ``start``, epoch after epoch, each epoch in its own shuffled order; each with the
+        position just after it."""
+        for epoch in itertools.count(start.epoch):
             shuffled = self.documents.shuffle(seed=_epoch_seed(self.shard_seed, epoch), buffer_size=SHUFFLE_BUFFER)
+            skip = start.documents if epoch == start.epoch else 0
             count = 0
             for text in _texts(shuffled, self.section, _training_filter(self.section, self.evaluated)):
                 count += 1
-                yield text
+                if count > skip:
+                    yield DataPosition(epoch, count), text
             if count == 0:
                 raise DatasetLoadError(f"dataset '{self.section.dataset}' has no training documents")
             logger.debug("training epoch done: epoch=%d documents=%d", epoch, count)
+
+
+@dataclass(frozen=True)
+class DataPosition:
+    """Where a training stream is: ``documents`` training documents of epoch ``epoch`` were (at least partly)
+    trained on. A stream started there skips them without tokenizing them."""
+
+    epoch: int = 0
+    documents: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "documents": self.documents}
+
+    @classmethod
+    def from_dict(cls, value: object) -> DataPosition:
+        """Raises ValueError unless ``value`` is a mapping of two non-negative integers."""
+        if not isinstance(value, dict) or set(value) != {"epoch", "documents"}:
+            raise ValueError(f"not a data position: {value!r}")
+        epoch, documents = value["epoch"], value["documents"]
+        if not all(type(number) is int and number >= 0 for number in (epoch, documents)):
+            raise ValueError(f"not a data position: {value!r}")
+        return cls(epoch, documents)
+
+
+class TrainingStream(Iterator[torch.Tensor]):
+    """The training batches of :meth:`TextData.train_batches`; :attr:`position` is where a stream resumed after the
+    last batch taken would start: past every document that batch drew tokens from (the rest of a document cut by
+    the batch's end is skipped, never trained on twice)."""
+
+    def __init__(self, data: TextData, start: DataPosition):
+        self.position = start
+        self._batch_size = data.section.batch_size
+        self._rows = _pack(_token_ids(data._training_texts(start), data.tokenizer), data.section.seq_len)
+
+    def __next__(self) -> torch.Tensor:
+        rows = []
+        for row, position in itertools.islice(self._rows, self._batch_size):
+            rows.append(row)
+            self.position = position
+        return torch.tensor(rows, dtype=torch.long)
 
 
 def is_held_out(text: str, eval_fraction: float) -> bool:
@@ -171,7 +215,7 @@ def _eval_batches(
     texts: Iterator[str], section: DataSection, tokenizer: transformers.PreTrainedTokenizerBase
 ) -> list[torch.Tensor]:
     """Full batches of the first rows of ``texts``; one smaller batch when there are fewer than batch_size rows."""
-    rows = _pack(_token_ids(texts, tokenizer), section.seq_len)
+    rows = (row for row, _ in _pack(_token_ids(((None, text) for text in texts), tokenizer), section.seq_len))
     first_rows = list(itertools.islice(rows, section.eval_batches * section.batch_size))
     keep = len(first_rows) - len(first_rows) % section.batch_size or len(first_rows)
     return list(_batches(first_rows[:keep], section.batch_size, keep_partial=True))
@@ -266,22 +310,27 @@ def _texts(
             yield text
 
 
-def _token_ids(texts: Iterator[str], tokenizer: transformers.PreTrainedTokenizerBase) -> Iterator[list[int]]:
-    """Token ids of each document followed by eos (tokenized in chunks for speed)."""
+def _token_ids(
+    texts: Iterator[tuple[K, str]], tokenizer: transformers.PreTrainedTokenizerBase
+) -> Iterator[tuple[K, list[int]]]:
+    """Token ids of each (key, document) followed by eos, with its key (tokenized in chunks for speed)."""
     eos = tokenizer.eos_token_id
     while chunk := list(itertools.islice(texts, _TOKENIZE_CHUNK)):
-        for ids in tokenizer(chunk, add_special_tokens=False, verbose=False)["input_ids"]:
-            yield ids + [eos]
+        keys = [key for key, _ in chunk]
+        encoded = tokenizer([text for _, text in chunk], add_special_tokens=False, verbose=False)["input_ids"]
+        for key, ids in zip(keys, encoded):
+            yield key, ids + [eos]
 
 
-def _pack(documents: Iterator[list[int]], seq_len: int) -> Iterator[list[int]]:
-    """Concatenate documents and cut rows of exactly ``seq_len`` tokens (a final shorter rest is dropped)."""
+def _pack(documents: Iterator[tuple[K, list[int]]], seq_len: int) -> Iterator[tuple[list[int], K]]:
+    """Concatenate documents and cut rows of exactly ``seq_len`` tokens (a final shorter rest is dropped); each row
+    with the key of the document it ends in."""
     buffer: list[int] = []
-    for ids in documents:
+    for key, ids in documents:
         buffer.extend(ids)
         full = len(buffer) // seq_len
         for row in range(full):
-            yield buffer[row * seq_len : (row + 1) * seq_len]
+            yield buffer[row * seq_len : (row + 1) * seq_len], key
         buffer = buffer[full * seq_len :]
 
 

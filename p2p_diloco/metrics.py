@@ -178,6 +178,7 @@ def configure_logging(level: str = "INFO") -> None:
     logging.getLogger("hivemind").setLevel(hivemind_level)
     logging.getLogger("hivemind.averaging.averager").addFilter(_drop_expected_solo_rounds)
     transformers_logging.set_verbosity_error()
+    transformers_logging.disable_progress_bar()  # its save/load bars would cut through the log
 
 
 def _drop_expected_solo_rounds(record: logging.LogRecord) -> bool:

@@ -37,7 +37,7 @@ from p2p_diloco import events
 from p2p_diloco.averaging import Averager
 from p2p_diloco.checkpoint import load_checkpoint, save_checkpoint
 from p2p_diloco.config import PeerConfig, SwarmSections
-from p2p_diloco.data import TextData
+from p2p_diloco.data import DataPosition, TextData, TrainingStream
 from p2p_diloco.errors import UserError
 from p2p_diloco.forking import optimizer_tensors
 from p2p_diloco.goodput import LEDGER_FILE, GoodputLedger
@@ -106,6 +106,8 @@ class LearningUnit:
         self.engine = RoundEngine(plan, network.averagers, network.consensus_averagers, local=self.theta,
                                   sync=ThetaLink(self.ranks, trainer.params))  # fmt: skip
         self.inner_step = self.tokens = 0
+        self.data_position = DataPosition()  # where the unit's data stream starts (join: from its checkpoint)
+        self._stream: TrainingStream | None = None
         self.throughput = Throughput()  # tokens and wall seconds per inner step (the training loop's period)
         self._last_step_end: float | None = None
         # the training session (start_training .. stop_training)
@@ -139,6 +141,7 @@ class LearningUnit:
         if checkpoint is not None and checkpoint.get("model_fingerprint") != self.loaded.fingerprint:
             raise JoinError(f"{self.checkpoint_path} holds a checkpoint of another model; use another --work-dir")
         local_round = int(checkpoint["outer_round"]) if checkpoint is not None else -1
+        self.data_position = self._data_position(checkpoint)
         records = self.network.records.read_progress()
         claims = {peer: record.outer_round for peer, record in records.items() if peer != self.network.peer_id}
         swarm_round = max(believed_rounds(claims).values(), default=-1)
@@ -157,6 +160,20 @@ class LearningUnit:
         self.ranks.share_start(self.trainer, start)
         self._write_replica_probe()
         return source
+
+    def _data_position(self, checkpoint: dict | None) -> DataPosition:
+        """Where the checkpoint's data stream was, if it was this unit's stream (the same shard seed: the same peer
+        identity and seed), whatever state the unit then takes: the data it trained on stays trained on."""
+        saved = checkpoint.get("data") if checkpoint is not None else None
+        if self.data is None or not isinstance(saved, dict) or saved.get("shard_seed") != self.data.shard_seed:
+            return DataPosition()
+        try:
+            position = DataPosition.from_dict({key: saved.get(key) for key in ("epoch", "documents")})
+        except ValueError as error:
+            logger.warning("the checkpoint's data position is unreadable, the data starts afresh: %s", error)
+            return DataPosition()
+        logger.info("data resumes at epoch %d after %d documents", position.epoch, position.documents)
+        return position
 
     def _download(self, swarm_round: int) -> SwarmState:
         """The swarm's state from a live peer, retried until ``join_timeout_s``. Raises JoinError."""
@@ -193,7 +210,7 @@ class LearningUnit:
     def run(self, stop: threading.Event) -> None:
         """Train on the unit's data until ``stop`` is set or a max_steps / max_time_s limit is reached."""
         assert self.data is not None, "a unit trains on its own data (the library API's callers train on theirs)"
-        batches = self.data.train_batches()
+        batches = self._stream = self.data.train_batches(self.data_position)
         self.start_training()
         try:
             while not (stop.is_set() or self.limit_reached()):
@@ -336,6 +353,9 @@ class LearningUnit:
             self._evaluate("outer_round")
         if end.advanced and self.outer_round % self.config.run.checkpoint_every_rounds == 0:
             self.save()
+        export_every, save_dir = self.config.run.export_every_rounds, self.config.run.save_dir
+        if end.advanced and export_every is not None and save_dir is not None and self.outer_round % export_every == 0:
+            self._export(Path(save_dir))
 
     # ------------------------------------------------------------------------------------ reporting, io
     def _evaluate(self, reason: events.EvalReason) -> None:
@@ -410,8 +430,17 @@ class LearningUnit:
                 "fragment_rounds": self.engine.fragment_rounds(),
                 "inner_step": self.inner_step,
                 "tokens": self.tokens,
+                "data": self._data_fields(),
             },
         )
+
+    def _data_fields(self) -> dict[str, int] | None:
+        """The data stream's position after the last batch trained on, and whose stream it is (None: no data of the
+        unit's own)."""
+        if self.data is None:
+            return None
+        position = self._stream.position if self._stream is not None else self.data_position
+        return {"shard_seed": self.data.shard_seed, **position.as_dict()}
 
     def _local_parameters(self) -> list[torch.Tensor]:
         """A CPU fp32 copy of θ (gathered from the ranks when sharded)."""

@@ -12,7 +12,7 @@ import pytest
 
 from p2p_diloco import __version__
 from p2p_diloco.cli import _parser, main
-from p2p_diloco.config import load_config
+from p2p_diloco.config import ConfigError, load_config
 from p2p_diloco.presets import CORPUS, TINY_MODEL
 
 
@@ -75,3 +75,13 @@ def test_report_to_takes_a_comma_separated_list() -> None:
     config = load_config(_parser().parse_args(["join", "--preset", "tiny", "--report-to", "tensorboard,wandb"]))
     assert config.run.report_to == ["tensorboard", "wandb"]
     assert load_config(_parser().parse_args(["join", "--preset", "tiny", "--report-to", "none"])).run.report_to == []
+
+
+def test_exports_during_training_need_a_save_dir() -> None:
+    with pytest.raises(ConfigError, match="--export-every-rounds needs --save-dir"):
+        load_config(_parser().parse_args(["join", "--preset", "tiny", "--export-every-rounds", "2"]))
+
+
+def test_export_of_a_work_dir_without_a_run_is_one_error_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["export", "--work-dir", str(tmp_path), "--out", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err.startswith(f"error: {tmp_path / 'run.json'} not found")

@@ -16,7 +16,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 import p2p_diloco
 from p2p_diloco.config import DataSection
-from p2p_diloco.data import DatasetLoadError, is_held_out, load_text_data
+from p2p_diloco.data import DataPosition, DatasetLoadError, is_held_out, load_text_data
 
 ASSETS = Path(p2p_diloco.__file__).parent / "assets"
 MOBY_DICK = ASSETS / "corpus" / "moby_dick.txt"
@@ -109,6 +109,31 @@ def test_same_shard_seed_gives_the_same_stream(tmp_path: Path, tokenizer: PreTra
     second = list(itertools.islice(load_text_data(section, tokenizer, shard_seed=5).train_batches(), 20))
     again = list(itertools.islice(data.train_batches(), 20))  # each call restarts at epoch 0
     assert all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(first, second, again, strict=True))
+
+
+def test_a_stream_resumed_at_its_position_trains_on_no_document_twice(
+    tmp_path: Path, tokenizer: PreTrainedTokenizerBase
+) -> None:
+    section = DataSection(dataset=str(write_text_corpus(tmp_path / "c.txt", make_documents(60))), seq_len=16,
+                          batch_size=2, eval_fraction=0.1)  # fmt: skip
+    data = load_text_data(section, tokenizer, shard_seed=5)
+    whole = decoded_documents(list(itertools.islice(data.train_batches(), 400)), tokenizer)
+    training = sorted(set(whole))
+    epoch = whole[: len(training)]  # the first epoch's order
+    assert sorted(epoch) == training
+    stream = data.train_batches()
+    trained = list(itertools.islice(stream, 7))
+    position = stream.position
+    assert position.epoch == 0 and 0 < position.documents < len(training)
+    saved = DataPosition.from_dict(position.as_dict())  # as a checkpoint holds it
+    resumed = decoded_documents(list(itertools.islice(data.train_batches(saved), 200)), tokenizer)
+    rest = len(training) - position.documents
+    seen = set(decoded_documents(trained, tokenizer)) | {epoch[position.documents - 1]}  # the last one was cut
+    assert resumed[:rest] == epoch[position.documents :], "the epoch goes on where the trained batches ended"
+    assert not seen & set(resumed[:rest]), "nothing of this epoch is trained on twice"
+    assert sorted(resumed[rest : rest + len(training)]) == training, "then the next epochs as before"
+    with pytest.raises(ValueError):
+        DataPosition.from_dict({"epoch": -1, "documents": 2})
 
 
 @pytest.mark.parametrize("suffix", [".jsonl", ".json"])
