@@ -63,6 +63,27 @@ def format_summary(summaries: list[PeerSummary]) -> str:
     return "\n".join(lines)
 
 
+@dataclass
+class RoundLog:
+    """Echoes the round, eval and leave lines (tracking.py's) a unit wrote to its log since the last call."""
+
+    name: str
+    path: Path
+    offset: int = 0
+
+    def echo(self) -> None:
+        if not self.path.exists():
+            return
+        with self.path.open("rb") as file:
+            file.seek(self.offset)
+            chunk = file.read()
+        complete = chunk[: chunk.rfind(b"\n") + 1]  # a line being written waits for the next call
+        self.offset += len(complete)
+        for line in complete.decode("utf-8", errors="replace").splitlines():
+            if " p2p_diloco.tracking: " in line:
+                print(f"{self.name}  {line.split(' p2p_diloco.tracking: ', 1)[1]}", flush=True)
+
+
 def run_demo(peers: int, duration_s: float, work_dir: Path) -> int:
     """Run the local swarm in a new ``run-<time>-<pid>`` folder of ``work_dir`` (earlier runs are kept and never
     resumed) and print its summary. Exit code 0 when every unit exited 0, groups of several units formed and
@@ -72,6 +93,7 @@ def run_demo(peers: int, duration_s: float, work_dir: Path) -> int:
     bootstrap, maddr = start_bootstrap(work_dir)
     print(f"bootstrap node up: {maddr}", flush=True)
     units: list[subprocess.Popen] = []
+    logs = [RoundLog(f"peer{index}", work_dir / f"peer{index}" / "stdout.log") for index in range(peers)]
     try:
         for index in range(peers):
             unit_dir = work_dir / f"peer{index}"
@@ -82,9 +104,13 @@ def run_demo(peers: int, duration_s: float, work_dir: Path) -> int:
         deadline = time.monotonic() + duration_s + 180.0
         while time.monotonic() < deadline and any(unit.poll() is None for unit in units):
             time.sleep(1.0)
+            for log in logs:
+                log.echo()
     finally:
         exit_codes = stop_process_groups(units)
         stop_process_groups([bootstrap])
+        for log in logs:
+            log.echo()
     summaries = [
         summarize(f"peer{index}", work_dir / f"peer{index}" / "metrics.jsonl", code)
         for index, code in enumerate(exit_codes)

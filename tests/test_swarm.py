@@ -44,6 +44,8 @@ def test_demo_trains_three_peers_in_groups(tmp_path: Path) -> None:
                    for log in sorted(tmp_path.glob("run-*/peer*/stdout.log")))  # fmt: skip
     assert result.returncode == 0, result.stdout + result.stderr + logs  # the units' logs say why groups did not form
     assert "demo succeeded" in result.stdout
+    assert "merged in a group of" in result.stdout and "peer0  eval loss" in result.stdout, "the rounds as they end"
+    assert "Exception" not in result.stdout + result.stderr
     (run_dir,) = tmp_path.glob("run-*")
     assert (run_dir / "summary.md").exists()
     for index in range(3):
