@@ -19,7 +19,7 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError
 from p2p_diloco.errors import UserError
 from p2p_diloco.presets import PRESETS
 
-TRACKER_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}  # --report-to's trackers, by package
+TRACKERS = ("tensorboard", "wandb")  # --report-to's trackers, each the name of the package it needs
 
 
 class ConfigError(UserError, ValueError):
@@ -246,8 +246,8 @@ class RunSection(_Section):
         names = [name.strip() for item in value for name in str(item).split(",") if name.strip()]
         if "none" in names and len(names) > 1:
             raise ValueError("report_to 'none' cannot be combined with a tracker")
-        for name in set(names) & set(TRACKER_PACKAGES):
-            if importlib.util.find_spec(TRACKER_PACKAGES[name]) is None:
+        for name in set(names) & set(TRACKERS):
+            if importlib.util.find_spec(name) is None:
                 raise ValueError(f"--report-to {name} needs the {name} package: pip install 'p2p_diloco[{name}]'")
         return [name for name in dict.fromkeys(names) if name != "none"]
 

@@ -20,7 +20,7 @@ from typing import Any
 from p2p_diloco.config import NetworkSection
 from p2p_diloco.errors import UserError, first_line
 from p2p_diloco.records import PeerProgress
-from p2p_diloco.status import STALE_AFTER_S, SwarmView, peer_state, swarm_snapshot
+from p2p_diloco.status import SwarmView, swarm_snapshot
 
 HISTORY_POINTS = 4096  # reads kept for the plots (5.7 hours at the default interval)
 PAGE = resources.files("p2p_diloco") / "assets" / "dashboard" / "index.html"
@@ -37,23 +37,21 @@ class SwarmHistory:
         self._lock = threading.Lock()
         self._points: collections.deque[dict[str, Any]] = collections.deque(maxlen=max_points)
         self._latest: dict[str, Any] = swarm_snapshot(run_id, [], time.time())
-        self.reads = 0
 
     def add(self, rows: list[PeerProgress], now: float) -> None:
         """Record one read of the progress records at DHT time ``now``."""
         snapshot = swarm_snapshot(self.run_id, rows, now)
-        live = [row for row in rows if peer_state(row, now, STALE_AFTER_S) == "live"]
+        live = [peer for peer in snapshot["peers"] if peer["state"] == "live"]
         point = {
             "time": now,
-            "eval_loss": {row.peer_id: row.eval_loss for row in live if row.eval_loss is not None},
-            "group_size": {row.peer_id: row.group_size for row in live},
+            "eval_loss": {peer["peer_id"]: peer["eval_loss"] for peer in live if peer["eval_loss"] is not None},
+            "group_size": {peer["peer_id"]: peer["group_size"] for peer in live},
             "swarm_eval_loss": snapshot["swarm"]["eval_loss"],
             "live_peers": snapshot["swarm"]["live_peers"],
         }
         with self._lock:
             self._latest = snapshot
             self._points.append(point)
-            self.reads += 1
 
     def view(self) -> dict[str, Any]:
         """The latest snapshot with the history as plot series: times, and per peer one value per read (null where

@@ -126,15 +126,16 @@ class TrainingStream(Iterator[torch.Tensor]):
 
     def __init__(self, data: TextData, start: DataPosition):
         self.position = start
-        self._batch_size = data.section.batch_size
-        self._rows = _pack(_token_ids(data._training_texts(start), data.tokenizer), data.section.seq_len)
+        rows = _pack(_token_ids(data._training_texts(start), data.tokenizer), data.section.seq_len)
+        self._batches = _batches(self._tracked(rows), data.section.batch_size, keep_partial=False)
+
+    def _tracked(self, rows: Iterator[tuple[list[int], DataPosition]]) -> Iterator[list[int]]:
+        for row, position in rows:
+            self.position = position  # a batch is yielded right after its last row is taken
+            yield row
 
     def __next__(self) -> torch.Tensor:
-        rows = []
-        for row, position in itertools.islice(self._rows, self._batch_size):
-            rows.append(row)
-            self.position = position
-        return torch.tensor(rows, dtype=torch.long)
+        return next(self._batches)
 
 
 def is_held_out(text: str, eval_fraction: float) -> bool:

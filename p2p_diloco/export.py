@@ -16,6 +16,7 @@ import torch
 from p2p_diloco.checkpoint import CheckpointError, load_checkpoint
 from p2p_diloco.config import PeerConfig
 from p2p_diloco.errors import UserError
+from p2p_diloco.inner import copy_into
 from p2p_diloco.model import export_pretrained, load_model
 from p2p_diloco.tracking import RUN_FILE
 
@@ -38,8 +39,7 @@ def run_export(work_dir: Path, out: Path, adapter_only: bool = False) -> int:
     if not isinstance(phi, list) or [tuple(t.shape) for t in phi] != [tuple(p.shape) for p in trained]:
         raise CheckpointError(f"the checkpoint in {work_dir} does not hold the model's parameters")
     with torch.no_grad():
-        for param, value in zip(trained, phi, strict=True):
-            param.copy_(value)
+        copy_into(trained, phi)
     export_pretrained(loaded.model, loaded.tokenizer, out, adapter_only=adapter_only)
     print(f"exported outer round {checkpoint.get('outer_round')} of {work_dir} to {out}")
     return 0

@@ -61,11 +61,10 @@ def swarm_snapshot(run_id: str, rows: list[PeerProgress], now: float, stale_afte
     """One JSON-ready object: every peer (its record, its state and age, sorted by peer id) and the swarm's totals
     over the live peers (summed tokens/s, goodput as summed useful compute / summed allocated peer-time, mean eval
     loss of those that reported one)."""
-    peers = []
-    for row in sorted(rows, key=lambda item: item.peer_id):
-        record = row.dict(exclude={"admission"})
-        peers.append({**record, "state": peer_state(row, now, stale_after_s), "age_s": round(_age_s(row, now), 1)})
-    live = [row for row in rows if peer_state(row, now, stale_after_s) == "live"]
+    states = {row.peer_id: peer_state(row, now, stale_after_s) for row in rows}
+    peers = [{**row.dict(exclude={"admission"}), "state": states[row.peer_id], "age_s": round(_age_s(row, now), 1)}
+             for row in sorted(rows, key=lambda item: item.peer_id)]  # fmt: skip
+    live = [row for row in rows if states[row.peer_id] == "live"]
     allocated = sum(row.allocated_s for row in live)
     evals = [row.eval_loss for row in live if row.eval_loss is not None]
     swarm = {

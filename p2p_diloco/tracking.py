@@ -183,9 +183,7 @@ class UnitReport:
 
     def describe(self, run: Mapping[str, Any]) -> None:
         """Hand the run's description to every tracker."""
-        self._trackers = [
-            tracker for tracker in self._trackers if _safely(tracker, functools.partial(tracker.describe, run))
-        ]
+        self._to_trackers(lambda tracker: tracker.describe(run))
 
     def write(self, event: events.Event) -> None:
         """Write ``event`` to the metrics log, the console and the trackers."""
@@ -193,10 +191,14 @@ class UnitReport:
         self._lines.write(event)
         if isinstance(event, events.InnerStep):
             self._step = event.step
-        scalars = event_scalars(event)
+        scalars = event_scalars(event) if self._trackers else {}  # none to compute on every step without a tracker
         if scalars:
             step = self._step
-            self._trackers = [t for t in self._trackers if _safely(t, functools.partial(t.scalars, scalars, step))]
+            self._to_trackers(lambda tracker: tracker.scalars(scalars, step))
+
+    def _to_trackers(self, call: Callable[[Tracker], None]) -> None:
+        """``call`` each tracker; one that fails is dropped (:func:`_safely`)."""
+        self._trackers = [tracker for tracker in self._trackers if _safely(tracker, functools.partial(call, tracker))]
 
     def close(self) -> None:
         """Flush the console's last line, close the trackers and the metrics log; idempotent."""
