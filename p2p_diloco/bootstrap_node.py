@@ -7,9 +7,10 @@ import sys
 import threading
 
 from p2p_diloco.config import NetworkSection
-from p2p_diloco.dht import count_routing_peers, peer_identity, start_dht, stop_dht, visible_multiaddrs
+from p2p_diloco.dht import NetworkError, count_routing_peers, peer_identity, start_dht, stop_dht, visible_multiaddrs
 from p2p_diloco.lifecycle import install_stop_signals, start_orphan_reaper
 from p2p_diloco.membership import load_run_access
+from p2p_diloco.reachability import serve_dial_back_checks
 from p2p_diloco.records import record_validators
 
 logger = logging.getLogger(__name__)
@@ -26,6 +27,8 @@ def run_bootstrap(network: NetworkSection, stop: threading.Event | None = None, 
     ``report_every_s`` seconds. Returns 0 after a requested stop (DHT and p2pd shut down), 1 with a one-line message
     on stderr if the DHT dies; raises NetworkError if it cannot start.
     """
+    if network.reachability == "private":
+        raise NetworkError("a bootstrap node must be reachable by every peer: --reachability private is for units")
     start_orphan_reaper()
     stop = stop if stop is not None else install_stop_signals()
     if network.identity_path is None:
@@ -34,6 +37,7 @@ def run_bootstrap(network: NetworkSection, stop: threading.Event | None = None, 
     access = load_run_access(network.run_id, network.admission, identity.peer_id)
     dht = start_dht(network, identity=identity, record_validators=record_validators(access, identity.key))
     try:
+        dht.run_coroutine(serve_dial_back_checks)
         for maddr in visible_multiaddrs(dht):
             print(f"initial peers: {maddr}", flush=True)
         logger.info(

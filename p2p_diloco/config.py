@@ -189,6 +189,11 @@ class NetworkSection(_Section):
         None, description="a private run's admission of this peer's identity (file from `p2p-diloco admit`)"
     )
     join_timeout_s: float = Field(30.0, gt=0.0, description="give up reaching the initial peers after this long")
+    reachability: Literal["auto", "public", "private"] = Field(
+        "auto",
+        description="whether other peers can connect to this unit: auto (a dial-back check by the initial peers), "
+        "public, or private (behind NAT or a firewall: join as a client with outbound connections only)",
+    )
 
     @field_validator("run_id")
     @classmethod

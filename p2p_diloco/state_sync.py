@@ -156,7 +156,8 @@ class StateServer:
     """Publishes this unit's consensus state to the swarm and downloads other units' states (see the module
     docstring); serves only members of the run when ``gate`` says so (default: everyone). ``donors`` holds the
     signed donor records; ``peer_id`` is this unit's (it never downloads from itself). ``momentum``: whether this
-    unit's states carry an outer momentum (the server holds one copy of φ, and of m only then).
+    unit's states carry an outer momentum (the server holds one copy of φ, and of m only then). A unit whose DHT is in
+    client mode (unreachable, reachability.py) downloads but serves nothing: its publications are checked, then dropped.
 
     Owns a hivemind averager process; call :meth:`shutdown` to stop it.
     """
@@ -176,6 +177,7 @@ class StateServer:
         self._fragments, self._prefix, self._donors = fragments, prefix, donors
         self._peer_id = str(dht.peer_id)
         self._momentum = momentum
+        self._serves = not dht.client_mode
         counters = torch.zeros(3 + fragments, dtype=torch.float64)
         buffers = [torch.zeros(shape) for shape in self._shapes * (2 if momentum else 1)] + [counters]
         # a download may carry a momentum whether or not this unit keeps one
@@ -206,6 +208,8 @@ class StateServer:
             raise ValueError(f"expected {self._fragments} fragment rounds, got {len(state.fragment_rounds)}")
         if len(state.momentum) != (len(self._shapes) if self._momentum else 0):
             raise ValueError(f"a state with {len(state.momentum)} momentum tensors (momentum kept: {self._momentum})")
+        if not self._serves:
+            return
         self._wait_for_declaration()
         with self._averager.get_tensors() as buffers:
             for buffer, tensor in zip(buffers, [*state.global_params, *state.momentum]):

@@ -120,6 +120,24 @@ class Namespaces:
     def restore(self, node: str) -> None:
         _ip("-n", self.switch, "link", "set", self._port(node), "up")
 
+    def drop_inbound(self, node: str) -> None:
+        """Firewall ``node`` as a home router does: the connections it opens carry traffic both ways, while every
+        connection another node opens to it is dropped (its SYNs go unanswered, so dials time out). Undone by
+        :meth:`close`. Raises NamespaceError without iptables (with conntrack) in this system."""
+        if shutil.which("iptables") is None:
+            raise NamespaceError("dropping inbound connections needs iptables (apt-get install iptables)")
+        rules = [["-i", "lo"], ["-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED"]]
+        try:
+            for rule in rules:
+                self._iptables(node, "-A", "INPUT", *rule, "-j", "ACCEPT")
+            self._iptables(node, "-A", "INPUT", "-j", "DROP")
+        except subprocess.CalledProcessError as error:
+            raise NamespaceError(f"could not firewall {node}: {error.stderr.strip() or error}") from None
+
+    def _iptables(self, node: str, *args: str) -> None:
+        command = ["ip", "netns", "exec", self._namespace(node), "iptables", *args]
+        subprocess.run(command, capture_output=True, text=True, check=True)
+
     def interface_bytes(self, node: str) -> tuple[int, int]:
         """Cumulative ``(tx_bytes, rx_bytes)`` of ``node``'s ``eth0``: the frames (with headers) that all its processes
         sent and received over its link. A segmentation-offload frame counts its headers once, so bulk TCP counts about

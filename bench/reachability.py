@@ -1,0 +1,137 @@
+"""What a unit that cannot accept connections costs a round: two units in network namespaces behind rate-limited links
+(namespaces.py), once both reachable ("direct": each reduces half of every round) and once with unit1's namespace
+dropping every inbound connection ("firewalled": unit1 joins in client mode, unit0 leads and reduces everything).
+Arms alternate, each in a fresh swarm, ``repeats`` times; per unit it records each paired round's seconds and the
+bytes its p2p daemon sent and received between consecutive paired rounds. Root only.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from bench.chaos.namespaces import Namespaces
+from bench.swarm import Swarm
+from p2p_diloco.events import Join, OuterRound
+
+ARMS = ("direct", "firewalled")
+UNITS = ("unit0", "unit1")
+UNIT_FLAGS = (
+    "--threads", "1", "--seq-len", "64", "--batch-size", "4", "--inner-steps", "10", "--join-timeout-s", "30",
+    "--quorum", "2", "--target-group-size", "2", "--settle-rounds", "0",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class UnitRounds:
+    arm: str
+    repeat: int
+    unit: str
+    client_mode: bool
+    seconds: list[float]  # each paired round's, from the unit's outer_round events
+    sent_mb: list[float]  # per round, from its p2p daemon's counters between consecutive paired rounds
+    received_mb: list[float]
+
+
+def run_arm(arm: str, repeat: int, root: Path, rounds: int, rate_mbit: float, timeout_s: float) -> list[UnitRounds]:
+    """One swarm of ``arm``: a bootstrap node and UNITS until each merged ``rounds`` + 1 rounds in pairs (the first
+    is dropped: it waited for the second unit to join)."""
+    namespaces = Namespaces(["bootstrap", *UNITS], prefix="pdcb-", rate_mbit=rate_mbit)
+    swarm = Swarm(root, run_id=f"reach-{arm}-{repeat}", network=namespaces, unit_flags=UNIT_FLAGS)
+    try:
+        if arm == "firewalled":
+            namespaces.drop_inbound("unit1")
+        bootstrap = swarm.bootstrap("bootstrap")
+        swarm.unit("unit0", [bootstrap])
+        swarm.wait_for(lambda: swarm.events("unit0", Join), timeout_s, "unit0 joined")
+        swarm.unit("unit1", [bootstrap])
+
+        def paired(name: str) -> list[OuterRound]:
+            return [merged for merged in swarm.rounds(name) if merged.group_size == 2]
+
+        swarm.wait_for(lambda: min(len(paired(n)) for n in UNITS) > rounds, timeout_s, f"{rounds + 1} paired rounds")
+        return [_unit_rounds(arm, repeat, name, paired(name)[: rounds + 1], root) for name in UNITS]
+    finally:
+        swarm.close(grace_s=0.0)
+        namespaces.close()
+
+
+def _unit_rounds(arm: str, repeat: int, name: str, merged: list[OuterRound], root: Path) -> UnitRounds:
+    sent = [r.wire_bytes_sent for r in merged]
+    received = [r.wire_bytes_received for r in merged]
+    if any(value is None for value in [*sent, *received]):
+        raise RuntimeError(f"{name}: rounds without wire counters")
+    log = (root / name / "stdout.log").read_text()
+    return UnitRounds(
+        arm=arm,
+        repeat=repeat,
+        unit=name,
+        client_mode="client_mode=True" in log,
+        seconds=[r.seconds for r in merged[1:]],
+        sent_mb=[(b - a) / 1e6 for a, b in zip(sent, sent[1:])],  # type: ignore[operator]
+        received_mb=[(b - a) / 1e6 for a, b in zip(received, received[1:])],  # type: ignore[operator]
+    )
+
+
+def summary(results: list[UnitRounds]) -> list[dict[str, object]]:
+    """Per arm and unit: median round seconds and MB per round over every repeat, and the ratio of the round
+    seconds to the direct arm's same unit."""
+    rows = []
+    for arm in ARMS:
+        for unit in UNITS:
+            picked = [r for r in results if r.arm == arm and r.unit == unit]
+            if not picked:
+                continue
+            rows.append({
+                "arm": arm, "unit": unit, "client_mode": all(r.client_mode for r in picked),
+                "rounds": sum(len(r.seconds) for r in picked),
+                "median_round_s": statistics.median(s for r in picked for s in r.seconds),
+                "median_sent_mb": statistics.median(s for r in picked for s in r.sent_mb),
+                "median_received_mb": statistics.median(s for r in picked for s in r.received_mb),
+            })  # fmt: skip
+    direct = {row["unit"]: row["median_round_s"] for row in rows if row["arm"] == "direct"}
+    for row in rows:
+        base = direct.get(row["unit"])
+        row["round_s_vs_direct"] = float(row["median_round_s"]) / float(base) if base else None  # type: ignore[arg-type]
+    return rows
+
+
+def write_results(out: Path, results: list[UnitRounds], setup: dict[str, object]) -> None:
+    """results.json (every round), results.md (the summary table) and rounds.png (round seconds per arm and unit)."""
+    rows = summary(results)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps({"setup": setup, "summary": rows,
+                                                  "runs": [asdict(r) for r in results]}, indent=1))  # fmt: skip
+    header = "| arm | unit | client mode | rounds | median round s | vs direct | MB sent/round | MB received/round |"
+    lines = [header, "|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        ratio = row["round_s_vs_direct"]
+        lines.append(
+            f"| {row['arm']} | {row['unit']} | {'yes' if row['client_mode'] else 'no'} | {row['rounds']} | "
+            f"{row['median_round_s']:.2f} | {'' if ratio is None else f'{ratio:.2f}x'} | "
+            f"{row['median_sent_mb']:.2f} | {row['median_received_mb']:.2f} |"
+        )
+    (out / "results.md").write_text("\n".join(lines) + "\n")
+    _plot(out / "rounds.png", results)
+
+
+def _plot(path: Path, results: list[UnitRounds]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(6, 3.5))
+    labels, data = [], []
+    for arm in ARMS:
+        for unit in UNITS:
+            labels.append(f"{arm}\n{unit}")
+            data.append([s for r in results if r.arm == arm and r.unit == unit for s in r.seconds])
+    axis.boxplot(data, tick_labels=labels)
+    axis.set_ylabel("paired round, seconds")
+    axis.set_title("a firewalled unit (client mode) against a reachable one")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
