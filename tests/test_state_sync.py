@@ -9,10 +9,13 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import torch
-from swarms import record_peers
+from swarms import RUN_ID, record_peers
 
 from p2p_diloco.checkpoint import payload_digest
-from p2p_diloco.records import DonorRecord, SwarmRecords
+from p2p_diloco.config import NetworkSection
+from p2p_diloco.dht import peer_identity, start_dht, stop_dht, visible_multiaddrs
+from p2p_diloco.membership import RunAccess
+from p2p_diloco.records import DonorRecord, SwarmRecords, record_validators
 from p2p_diloco.state_sync import StateServer, SwarmState
 
 pytestmark = pytest.mark.swarm
@@ -157,3 +160,28 @@ def test_units_at_momentum_zero_serve_phi_alone_and_a_unit_with_momentum_takes_i
         finally:
             for server in made:
                 server.shutdown()
+
+
+def test_a_client_mode_unit_downloads_state_and_serves_none() -> None:
+    """A unit behind NAT (its DHT in client mode, reachability.py) takes a reachable donor's state; its own
+    publications are checked, then dropped: no declaration (hivemind cannot serve state from a client)."""
+    with record_peers(1) as (server,):
+        identity = peer_identity(None)
+        validators = record_validators(RunAccess(RUN_ID), identity.key)
+        network = NetworkSection(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=visible_multiaddrs(server.dht))
+        dht = start_dht(network, identity=identity, record_validators=validators, client_mode=True)
+        client = SwarmRecords(dht, RunAccess(RUN_ID), validators)
+        made = [StateServer(peers.dht, KEY, [torch.zeros(s) for s in SHAPES], peers) for peers in (server, client)]
+        try:
+            donor, behind_nat = made
+            donor.publish(state(0.5, 3))
+            assert phi_value(download_until(behind_nat, found=1)) == 0.5
+            with pytest.raises(ValueError, match="momentum tensors"):
+                behind_nat.publish(SwarmState(state(0.5, 3).global_params, [], [3], inner_step=30, tokens=1920))
+            behind_nat.publish(state(0.7, 4))
+            assert behind_nat._declaring is None
+            assert set(server.read_donors(KEY)) == {donor._peer_id}
+        finally:
+            for made_server in made:
+                made_server.shutdown()
+            stop_dht(dht)
