@@ -13,15 +13,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from bench.chaos.namespaces import Namespaces
-from bench.swarm import Swarm
+from bench.swarm import QUICK_UNIT_FLAGS, Swarm
 from p2p_diloco.events import Join, OuterRound
 
 ARMS = ("direct", "firewalled")
 UNITS = ("unit0", "unit1")
-UNIT_FLAGS = (
-    "--threads", "1", "--seq-len", "64", "--batch-size", "4", "--inner-steps", "10", "--join-timeout-s", "30",
-    "--quorum", "2", "--target-group-size", "2", "--settle-rounds", "0",
-)  # fmt: skip
+UNIT_FLAGS = (*QUICK_UNIT_FLAGS, "--quorum", "2", "--target-group-size", "2", "--settle-rounds", "0")
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,13 @@ from p2p_diloco.lifecycle import descendant_pids, is_running
 
 T = TypeVar("T")
 
+QUICK_UNIT_FLAGS = (
+    "--threads", "1", "--seq-len", "64", "--batch-size", "4", "--inner-steps", "10", "--join-timeout-s", "30",
+)  # fmt: skip
+"""Quick units: the tiny preset's ~1 M parameter GPT-2, 4 x 64 tokens per step, a round every 10 steps, one torch
+thread each (several units share a CI machine's two cores; with torch's default of a thread per core in every unit,
+the red team's joiner test took 119 s instead of 105 s)."""
+
 
 class Swarm:
     """Named nodes under ``root``. ``unit_flags`` go to every unit's ``p2p-diloco join`` after the launcher's own

@@ -177,7 +177,6 @@ class StateServer:
         self._fragments, self._prefix, self._donors = fragments, prefix, donors
         self._peer_id = str(dht.peer_id)
         self._momentum = momentum
-        self._serves = not dht.client_mode
         counters = torch.zeros(3 + fragments, dtype=torch.float64)
         buffers = [torch.zeros(shape) for shape in self._shapes * (2 if momentum else 1)] + [counters]
         # a download may carry a momentum whether or not this unit keeps one
@@ -208,7 +207,7 @@ class StateServer:
             raise ValueError(f"expected {self._fragments} fragment rounds, got {len(state.fragment_rounds)}")
         if len(state.momentum) != (len(self._shapes) if self._momentum else 0):
             raise ValueError(f"a state with {len(state.momentum)} momentum tensors (momentum kept: {self._momentum})")
-        if not self._serves:
+        if self._averager.client_mode:
             return
         self._wait_for_declaration()
         with self._averager.get_tensors() as buffers:

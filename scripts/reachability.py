@@ -2,7 +2,7 @@
 """Round cost of a unit behind a firewall (client mode) against a reachable one, two units behind rate-limited links
 in network namespaces (root, iproute2, tc and iptables):
 
-    .venv/bin/python scripts/reachability.py --out results/reachability --rounds 8 --repeats 2 --rate-mbit 20
+    .venv/bin/python scripts/reachability.py --out results/reachability --rounds 6 --repeats 2 --rate-mbit 20
 
 Writes results.json, results.md and rounds.png to --out; bad input prints one ``error:`` line and exits 2.
 """
@@ -17,7 +17,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the laboratory, bench/, lives in the checkout
 
 from bench.chaos.namespaces import NamespaceError  # noqa: E402
-from bench.reachability import ARMS, run_arm, write_results  # noqa: E402
+from bench.reachability import ARMS, UNIT_FLAGS, run_arm, write_results  # noqa: E402
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -45,8 +45,8 @@ def main() -> int:
     except NamespaceError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    setup = {"model": "tiny (953,856 parameters, fp32 rounds)", "rate_mbit": args.rate_mbit, "rounds": args.rounds,
-             "repeats": args.repeats, "flags": "quorum 2, target group 2, H 10"}  # fmt: skip
+    setup = {"model": "the tiny preset's (fp32 rounds)", "rate_mbit": args.rate_mbit, "rounds": args.rounds,
+             "repeats": args.repeats, "unit_flags": list(UNIT_FLAGS)}  # fmt: skip
     write_results(args.out, results, setup)
     print((args.out / "results.md").read_text(), end="")
     return 0

@@ -1,6 +1,4 @@
-"""The tests' real swarms (``bench/swarm.py``) with quick units: the ~1 M parameter GPT-2 of the tiny preset, 4 x 64
-tokens per step, a round every 10 steps, one torch thread each (several units share a CI machine's two cores; with
-torch's default of a thread per core in every unit, the red team's joiner test took 119 s instead of 105 s)."""
+"""The tests' real swarms (``bench/swarm.py``) with quick units (``QUICK_UNIT_FLAGS`` there)."""
 
 from __future__ import annotations
 
@@ -8,7 +6,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from bench.swarm import Swarm, wait_until
+from bench.swarm import QUICK_UNIT_FLAGS, Swarm, wait_until
 from p2p_diloco.config import NetworkSection
 from p2p_diloco.dht import peer_identity, start_dht, stop_dht, visible_multiaddrs
 from p2p_diloco.lifecycle import is_running, kill_process_tree
@@ -16,9 +14,6 @@ from p2p_diloco.membership import RunAccess
 from p2p_diloco.records import SwarmRecords, record_validators
 
 RUN_ID = "test"
-QUICK_UNIT_FLAGS = (
-    "--threads", "1", "--seq-len", "64", "--batch-size", "4", "--inner-steps", "10", "--join-timeout-s", "30",
-)  # fmt: skip
 
 
 def quick_swarm(root: Path) -> Swarm:

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from swarms import QUICK_UNIT_FLAGS, close_leaving_nothing, quick_swarm
+from swarms import close_leaving_nothing, quick_swarm
 from transformers import AutoModelForCausalLM
 
-from bench.swarm import Swarm
+from bench.swarm import QUICK_UNIT_FLAGS, Swarm
 from p2p_diloco.checkpoint import load_checkpoint
 from p2p_diloco.events import Eval, Join, OuterRound, OuterRoundBegin, ReplicaProbe, Stop, read_events
 from p2p_diloco.lifecycle import descendant_pids, is_running

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 from hivemind.p2p import PeerID
-from swarms import QUICK_UNIT_FLAGS, close_leaving_nothing
+from swarms import close_leaving_nothing
 
 from bench.chaos.namespaces import NamespaceError, Namespaces
-from bench.swarm import Swarm
+from bench.swarm import QUICK_UNIT_FLAGS, Swarm
 from p2p_diloco.bootstrap_node import run_bootstrap
 from p2p_diloco.config import NetworkSection
 from p2p_diloco.dht import NetworkError

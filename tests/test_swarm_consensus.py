@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from swarms import QUICK_UNIT_FLAGS, close_leaving_nothing
+from swarms import close_leaving_nothing
 
-from bench.swarm import Swarm
+from bench.swarm import QUICK_UNIT_FLAGS, Swarm
 from p2p_diloco.checkpoint import load_checkpoint
 from p2p_diloco.events import ConsensusRound, Eval, Stop
 
