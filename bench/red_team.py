@@ -27,6 +27,7 @@ from p2p_diloco.dht import ensure_identity, identity_peer_id, peer_identity, sta
 from p2p_diloco.members import MAX_ROUND_LEAD
 from p2p_diloco.membership import Admission, load_identity_key
 from p2p_diloco.records import DonorRecord, PeerProgress, SwarmRecords, record_validators
+from p2p_diloco.relays import CLIENT
 from p2p_diloco.robust import BoundedMean, bounded_mean
 from p2p_diloco.state_sync import StateServer, SwarmState
 
@@ -123,7 +124,7 @@ def _sybil_records(records: SwarmRecords, count: int) -> list[SwarmRecords]:
     for _ in range(count):
         identity = peer_identity(None)
         validators = record_validators(records.access, identity.key)
-        dht = start_dht(network, identity=identity, record_validators=validators, client_mode=True)
+        dht = start_dht(network, identity=identity, record_validators=validators, reachability=CLIENT)
         sybils.append(SwarmRecords(dht, records.access, validators))
     return sybils
 

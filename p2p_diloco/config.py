@@ -192,7 +192,18 @@ class NetworkSection(_Section):
     reachability: Literal["auto", "public", "private"] = Field(
         "auto",
         description="whether other peers can connect to this unit: auto (a dial-back check by the initial peers), "
-        "public, or private (behind NAT or a firewall: join as a client with outbound connections only)",
+        "public, or private (behind NAT or a firewall: reached through relays, else a client with outbound "
+        "connections only)",
+    )
+    use_relays: bool = Field(
+        True,
+        description="an unreachable unit is reached through relays that confirm they reach it (--no-use-relays: it "
+        "joins as a client, which leads no group and serves no state)",
+    )
+    relays: list[str] = Field(
+        default_factory=list,
+        description="multiaddrs of relays for an unreachable unit: bootstrap nodes or reachable units, which relay by "
+        "default (default: the initial peers)",
     )
 
     @field_validator("run_id")

@@ -31,6 +31,7 @@ from p2p_diloco.lifecycle import (
     kill_process_tree,
 )
 from p2p_diloco.membership import IdentityKey, MembershipError, load_identity_key, peer_id_of
+from p2p_diloco.relays import DIRECT, Reachability
 
 logger = logging.getLogger(__name__)
 
@@ -120,9 +121,10 @@ def start_dht(
     *,
     identity: Identity | None = None,
     record_validators: Iterable = (),
-    client_mode: bool = False,
+    reachability: Reachability = DIRECT,
 ) -> hivemind.DHT:
-    """Start a DHT node in a forked process and join the swarm through ``network.initial_peers`` (if any).
+    """Start a DHT node in a forked process and join the swarm through ``network.initial_peers`` (if any), reachable
+    as ``reachability`` says (relays.py; a client one in hivemind's client mode).
 
     The node's identity is ``identity`` (a fresh one is not checked against live peers, and its file is removed once
     the node started), else ``network.identity_path``, else one p2pd makes up. Raises NetworkError for malformed
@@ -142,16 +144,17 @@ def start_dht(
     identity_path = str(identity.path) if identity is not None else None
 
     timeout = network.join_timeout_s
+    p2p_options = {"announce_maddrs": announce_maddrs or None, **reachability.p2p_options()}
     dht = hivemind.DHT(
         initial_peers=initial_peers or None,
         start=False,
-        client_mode=client_mode,
+        client_mode=reachability.client_mode,
         record_validators=list(record_validators),
         host_maddrs=host_maddrs,
-        announce_maddrs=announce_maddrs or None,
         identity_path=identity_path,
         check_if_identity_free=not (identity is not None and identity.fresh),
         startup_timeout=timeout,
+        **p2p_options,
     )
     started = time.monotonic()
     try:
@@ -165,9 +168,10 @@ def start_dht(
         if identity is not None and identity.fresh:
             shutil.rmtree(identity.path.parent, ignore_errors=True)
     logger.info(
-        "dht started peer_id=%s client_mode=%s initial_peers=%d seconds=%.2f",
+        "dht started peer_id=%s reachability=%s relays=%d initial_peers=%d seconds=%.2f",
         dht.peer_id,
-        client_mode,
+        reachability.mode,
+        len(reachability.relays),
         len(initial_peers),
         time.monotonic() - started,
     )
@@ -213,9 +217,18 @@ def _as_network_error(error: Exception, network: NetworkSection, initial_peers: 
     return NetworkError(f"the DHT failed to start: {text.splitlines()[0] if text else type(error).__name__}")
 
 
-def visible_multiaddrs(dht: hivemind.DHT) -> list[str]:
-    """Multiaddrs other peers can use to reach ``dht`` (each ends with /p2p/<peer id>)."""
-    return [str(maddr) for maddr in dht.get_visible_maddrs()]
+def visible_multiaddrs(dht: hivemind.DHT, timeout_s: float = 10.0) -> list[str]:
+    """Multiaddrs other peers can use to reach ``dht`` (each ends with /p2p/<peer id>). A relayed node announces its
+    circuits through public relays only once its slots there are reserved: this waits up to ``timeout_s`` for an
+    address, then raises NetworkError."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return [str(maddr) for maddr in dht.get_visible_maddrs(latest=True)]
+        except ValueError:  # hivemind's "No multiaddrs found"
+            if time.monotonic() > deadline:
+                raise NetworkError(f"the p2p daemon announced no address within {timeout_s:g} s") from None
+            time.sleep(0.2)
 
 
 async def _routing_peers(_dht: hivemind.DHT, node: DHTNode) -> int:

@@ -27,7 +27,7 @@ from p2p_diloco.metrics import MetricsLog
 from p2p_diloco.model import LoadedModel, load_model
 from p2p_diloco.plan import KeySchema, RoundPlan
 from p2p_diloco.ranks import Ranks, join_ranks, rank_identity, theta_probe
-from p2p_diloco.reachability import joins_as_client, serve_dial_back_checks
+from p2p_diloco.reachability import reachability_of, serve_dial_back_checks
 from p2p_diloco.records import SwarmRecords, members_key, record_validators, run_record_keys
 from p2p_diloco.state_sync import StateServer
 from p2p_diloco.tracking import RoundLines, UnitReport, open_trackers, run_description, write_run_file
@@ -97,10 +97,10 @@ def unit_in_swarm(
     interrupt = signal.getsignal(signal.SIGINT)
     with contextlib.ExitStack() as owned:
         owned.enter_context(dropped_in_forked_children(functools.partial(module_tensors, loaded.model)))
-        client_mode = joins_as_client(config.network)
-        dht = start_dht(config.network, identity=identity, record_validators=validators, client_mode=client_mode)
+        reachability = reachability_of(config.network)
+        dht = start_dht(config.network, identity=identity, record_validators=validators, reachability=reachability)
         owned.callback(stop_dht, dht)
-        if not client_mode:
+        if not reachability.client_mode:
             dht.run_coroutine(serve_dial_back_checks)
         multiaddrs = " ".join(visible_multiaddrs(dht))
         logger.info("other peers can join through: %s", multiaddrs)

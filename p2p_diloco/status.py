@@ -17,6 +17,7 @@ from p2p_diloco.config import ConfigError, NetworkSection
 from p2p_diloco.dht import start_dht, stop_dht
 from p2p_diloco.membership import load_run_access
 from p2p_diloco.records import PeerProgress, SwarmRecords, record_validators
+from p2p_diloco.relays import CLIENT
 
 STALE_AFTER_S = 60.0  # a peer silent for longer is shown as stale (it publishes every few seconds)
 PeerState = Literal["live", "stale", "left"]
@@ -39,7 +40,7 @@ class SwarmView:
         access = load_run_access(network.run_id, network.admission, peer_id=None)
         validators = record_validators(access)
         self._dht = start_dht(network.model_copy(update={"identity_path": None}), record_validators=validators,
-                              client_mode=True)  # fmt: skip
+                              reachability=CLIENT)  # fmt: skip
         self._records = SwarmRecords(self._dht, access, validators)
 
     def read(self) -> list[PeerProgress]:

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
-"""Round cost of a unit behind a firewall (client mode) against a reachable one, two units behind rate-limited links
-in network namespaces (root, iproute2, tc and iptables):
+"""Round cost of units behind a firewall (in client mode, or reached through a relay) against reachable ones, two units
+behind rate-limited links in network namespaces (root, iproute2, tc and iptables):
 
     .venv/bin/python scripts/reachability.py --out results/reachability --rounds 6 --repeats 2 --rate-mbit 20
 
@@ -39,7 +39,7 @@ def main() -> int:
     try:
         for repeat in range(args.repeats):
             for arm in ARMS:
-                with tempfile.TemporaryDirectory(prefix=f"reach-{arm}-") as root:
+                with tempfile.TemporaryDirectory(prefix=f"reach-{arm.replace(' ', '-')}-") as root:
                     results += run_arm(arm, repeat, Path(root), args.rounds, args.rate_mbit, args.timeout_s)
                 print(f"repeat {repeat} {arm}: done", flush=True)
     except NamespaceError as error:

@@ -29,6 +29,7 @@ from p2p_diloco.dht import (
     visible_multiaddrs,
 )
 from p2p_diloco.lifecycle import descendant_pids, group_pids, hivemind_sockets, is_running
+from p2p_diloco.relays import CLIENT
 
 pytestmark = pytest.mark.swarm
 
@@ -146,7 +147,7 @@ def test_second_node_joins_and_sees_the_first(dhts):
     dhts.append(first)
     second = start_dht(NetworkSection(host_maddrs=LOCAL, initial_peers=visible_multiaddrs(first)))
     dhts.append(second)
-    client = start_dht(NetworkSection(initial_peers=visible_multiaddrs(first)), client_mode=True)
+    client = start_dht(NetworkSection(initial_peers=visible_multiaddrs(first)), reachability=CLIENT)
     dhts.append(client)
     wait_until(lambda: count_routing_peers(second) >= 1 and count_routing_peers(first) >= 1, 10, "routing peers")
     assert count_routing_peers(client) >= 1
@@ -183,7 +184,7 @@ def test_run_bootstrap_prints_maddrs_and_exits_cleanly_on_sigterm(tmp_path, dhts
         assert any(b"p2pd" in Path(f"/proc/{pid}/cmdline").read_bytes() for pid in children)
         assert all(os.getpgid(pid) != child.pid for pid in children)  # children live in the reaper's group
 
-        joined = start_dht(NetworkSection(initial_peers=[maddr]), client_mode=True)
+        joined = start_dht(NetworkSection(initial_peers=[maddr]), reachability=CLIENT)
         dhts.append(joined)
         os.killpg(child.pid, signal.SIGTERM)  # the whole job: only the node itself is in this group
         assert child.wait(timeout=15) == 0

@@ -16,6 +16,7 @@ from p2p_diloco.config import NetworkSection
 from p2p_diloco.dht import peer_identity, start_dht, stop_dht, visible_multiaddrs
 from p2p_diloco.membership import RunAccess
 from p2p_diloco.records import DonorRecord, SwarmRecords, record_validators
+from p2p_diloco.relays import CLIENT
 from p2p_diloco.state_sync import StateServer, SwarmState
 
 pytestmark = pytest.mark.swarm
@@ -169,7 +170,7 @@ def test_a_client_mode_unit_downloads_state_and_serves_none() -> None:
         identity = peer_identity(None)
         validators = record_validators(RunAccess(RUN_ID), identity.key)
         network = NetworkSection(host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=visible_multiaddrs(server.dht))
-        dht = start_dht(network, identity=identity, record_validators=validators, client_mode=True)
+        dht = start_dht(network, identity=identity, record_validators=validators, reachability=CLIENT)
         client = SwarmRecords(dht, RunAccess(RUN_ID), validators)
         made = [StateServer(peers.dht, KEY, [torch.zeros(s) for s in SHAPES], peers) for peers in (server, client)]
         try:

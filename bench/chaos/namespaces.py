@@ -4,10 +4,10 @@ unit's own interface stays up) and, with ``rate_mbit``, limit every node's link 
 iproute2 (``tc`` too for rate limits); every namespace it creates is removed by :meth:`close`.
 
 Layout: a switch namespace ``{prefix}sw`` holds bridge ``br0``; node *k* gets namespace ``{prefix}{node}`` with
-``eth0`` at ``10.78.0.{k+1}/24``, whose veth peer ``p{k}`` is a port of the bridge. A rate limit is a ``tbf`` qdisc
-on the egress of ``eth0`` (the node's upload) and of ``p{k}`` (its download), so all traffic between nodes crosses
-two limited links. :meth:`interface_bytes` counts what crossed a node's link. Nothing touches the host's own network
-namespace.
+``eth0`` at ``{subnet}.{k+1}/24`` (``10.78.0`` unless the caller picks another /24), whose veth peer ``p{k}`` is a
+port of the bridge. A rate limit is a ``tbf`` qdisc on the egress of ``eth0`` (the node's upload) and of ``p{k}``
+(its download), so all traffic between nodes crosses two limited links. :meth:`interface_bytes` counts what crossed a
+node's link. Nothing touches the host's own network namespace.
 """
 
 from __future__ import annotations
@@ -19,7 +19,10 @@ import os
 import shutil
 import subprocess
 
-SUBNET = "10.78.0"
+PRIVATE_SUBNET = "10.78.0"
+PUBLIC_SUBNET = "44.78.0"
+"""Addresses libp2p takes for public ones: its AutoNAT dials back only public addresses, so only a relay node on them
+is found public and relays bulk data (p2p_diloco/relays.py). Nothing outside the namespaces routes to them."""
 
 # tbf parameters. The bucket (burst) holds 5 ms of traffic at the rate, which covers a 250 Hz timer tick
 # (burst >= rate/HZ), and at least 16 KiB (about 10 full-size frames; a GSO segment larger than the bucket is split by
@@ -61,7 +64,9 @@ class Namespaces:
 
     can_partition = True
 
-    def __init__(self, nodes: list[str], prefix: str = "pdc-", rate_mbit: float | None = None):
+    def __init__(
+        self, nodes: list[str], prefix: str = "pdc-", rate_mbit: float | None = None, subnet: str = PRIVATE_SUBNET
+    ):
         if rate_mbit is not None and not (math.isfinite(rate_mbit) and rate_mbit > 0):
             raise ValueError(f"rate_mbit must be a positive number, got {rate_mbit}")
         if os.geteuid() != 0 or shutil.which("ip") is None:
@@ -70,7 +75,7 @@ class Namespaces:
             raise NamespaceError("rate limits need 'tc' (iproute2); install it or run without a rate limit")
         if len(nodes) > 250:
             raise NamespaceError("at most 250 nodes fit the /24 subnet")
-        self.prefix, self.nodes, self.rate_mbit = prefix, list(nodes), rate_mbit
+        self.prefix, self.nodes, self.rate_mbit, self.subnet = prefix, list(nodes), rate_mbit, subnet
         self.switch = f"{prefix}sw"
         self.close()
         try:
@@ -89,12 +94,12 @@ class Namespaces:
         _ip("netns", "add", self.switch)
         _ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
         _ip("-n", self.switch, "link", "set", "br0", "up")
-        for index, node in enumerate(self.nodes):
+        for node in self.nodes:
             namespace, port = self._namespace(node), self._port(node)
             _ip("netns", "add", namespace)
             _ip("-n", namespace, "link", "set", "lo", "up")
             _ip("-n", namespace, "link", "add", "eth0", "type", "veth", "peer", "name", port, "netns", self.switch)
-            _ip("-n", namespace, "addr", "add", f"{SUBNET}.{index + 1}/24", "dev", "eth0")
+            _ip("-n", namespace, "addr", "add", f"{self.host(node)}/24", "dev", "eth0")
             _ip("-n", namespace, "link", "set", "eth0", "up")
             _ip("-n", self.switch, "link", "set", port, "master", "br0")
             _ip("-n", self.switch, "link", "set", port, "up")
@@ -109,7 +114,7 @@ class Namespaces:
         _tc("-n", namespace, "qdisc", "replace", "dev", device, "root", "tbf", *shape)
 
     def host(self, node: str) -> str:
-        return f"{SUBNET}.{self.nodes.index(node) + 1}"
+        return f"{self.subnet}.{self.nodes.index(node) + 1}"
 
     def wrap(self, node: str, command: list[str]) -> list[str]:
         return ["ip", "netns", "exec", self._namespace(node), *command]
