@@ -3,19 +3,24 @@
 A unit behind NAT or a firewall reserves a slot on relays (the bootstrap nodes and reachable units: their p2p daemons
 serve as relays by default) and announces ``<relay multiaddr>/p2p-circuit`` addresses; a peer that dials one reaches
 it through the relay, which carries every byte of that connection both ways. Connections the unit opens itself stay
-direct. The relay's own limits apply to each relayed connection (hivemind 1.1.12's daemon: 30 min, 4 GiB each way;
-a later dial opens a new one).
+direct, and libp2p reuses an open connection whichever side opened it.
 
-Two behaviours of hivemind 1.1.12's p2p daemon are worked around here:
+What hivemind 1.1.12's p2p daemon does, measured in network namespaces, and what this module does about it:
 
 - Given ``trusted_relays``, the daemon still feeds its auto-relay from a peer source (its ``-relayDiscovery`` flag
   defaults to on, and hivemind never passes it), and go-libp2p's auto-relay then waits 3 minutes before reserving
   while it knows fewer than 4 candidate relays: a unit would be unreachable for its first 3 minutes. With
-  ``-relayDiscovery=0`` the trusted relays are static relays, reserved at once. :func:`use_static_relays` adds that
-  flag to every daemon started with ``trusted_relays``, at the one place hivemind turns options into flags
+  ``-relayDiscovery=0`` the trusted relays are static relays, reserved within a second. :func:`use_static_relays`
+  adds that flag to every daemon started with ``trusted_relays``, at the one place hivemind turns options into flags
   (``P2P._make_process_args``); hivemind has no option for it.
-- Auto-relay announces a circuit only through relays with public addresses: with relays on a private network (a LAN,
-  a data centre's subnet) the unit would announce none. So the unit announces its circuits itself.
+- Auto-relay announces a circuit only through relays with public addresses, and not before its slot is reserved: a
+  unit announces its circuits itself (on a private network auto-relay would announce none).
+- A relay node's daemon first relays with go-libp2p's default limits (128 KiB each way and 2 minutes per
+  connection: a 100 kB message passed, a 300 kB one reset the circuit) until its AutoNAT finds it public (other peers
+  dial it back, to public addresses only, 15 s after its start at the soonest); then a second relay with the
+  daemon's own limits (4 GiB, 30 minutes per connection) takes over (1 MB messages passed), and slots reserved on the
+  first one are lost. So a unit uses only relays that carry a bulk check to it (reachability.py) and reserves its
+  slots after they did; a relay node on a private network never qualifies.
 """
 
 from __future__ import annotations
