@@ -46,7 +46,7 @@ RELAY_PAYLOAD_BYTES = 256 * 1024
 connection before its node is found public (relays.py)."""
 RELAY_CHECK_WAIT_S = 30.0
 """How long a unit asks a relay to carry a check through itself: its slot is reserved in the background, and a relay
-node relays bulk data only once its AutoNAT found it public (15 s after its start at the soonest)."""
+node relays bulk data only once its AutoNAT found it public (relays.py)."""
 _DIALABLE = ("ip4", "ip6", "dns", "dns4", "dns6")
 
 
@@ -206,8 +206,8 @@ async def _relay_confirms(listener: P2P, relay: str) -> bool:
     deadline = asyncio.get_running_loop().time() + RELAY_CHECK_WAIT_S
     while not await _ask(listener, _peer_id(relay), [circuit], DIAL_BACK_TIMEOUT_S + RELAY_CHECK_WAIT_S):
         if asyncio.get_running_loop().time() > deadline:
-            logger.info("relay %s did not carry a %d KiB check to this unit within %g s", relay,
-                        RELAY_PAYLOAD_BYTES // 1024, RELAY_CHECK_WAIT_S)  # fmt: skip
+            logger.info("relay %s did not carry a %d KiB check to this unit within %g s (a relay needs a public "
+                        "address)", relay, RELAY_PAYLOAD_BYTES // 1024, RELAY_CHECK_WAIT_S)  # fmt: skip
             return False
         await asyncio.sleep(1.0)
     return True

@@ -16,11 +16,11 @@ What hivemind 1.1.12's p2p daemon does, measured in network namespaces, and what
 - Auto-relay announces a circuit only through relays with public addresses, and not before its slot is reserved: a
   unit announces its circuits itself (on a private network auto-relay would announce none).
 - A relay node's daemon first relays with go-libp2p's default limits (128 KiB each way and 2 minutes per
-  connection: a 100 kB message passed, a 300 kB one reset the circuit) until its AutoNAT finds it public (other peers
-  dial it back, to public addresses only, 15 s after its start at the soonest); then a second relay with the
-  daemon's own limits (4 GiB, 30 minutes per connection) takes over (1 MB messages passed), and slots reserved on the
-  first one are lost. So a unit uses only relays that carry a bulk check to it (reachability.py) and reserves its
-  slots after they did; a relay node on a private network never qualifies.
+  connection: a 100 kB message passed, a 300 kB one reset the circuit) until its AutoNAT finds it public (peers it is
+  connected to dial it back, to public addresses only: within seconds of the first ones in namespaces); then a
+  second relay with the daemon's own limits (4 GiB, 30 minutes per connection) takes over (1 MB messages passed), and
+  slots reserved on the first one are lost. So a unit uses only relays that carry a bulk check to it
+  (reachability.py) and reserves its slots after they did; a relay node on a private network never qualifies.
 """
 
 from __future__ import annotations
