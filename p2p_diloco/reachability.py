@@ -8,10 +8,11 @@ is not reused (libp2p would reuse it, and every peer would look reachable). Ever
 can dial out (any but a client) answers these checks.
 
 A unit that fails it checks its relays (default: its initial peers) the same way: a second throwaway listener reserves
-a slot on each, and asks each to dial it through its own relay service. The relays that reach it are the ones it
-announces circuits through; with none (or with ``--no-use-relays``) it joins as a client: its DHT node makes requests
-but serves none, and its averagers join groups led by other units, send their parts to the reducers and receive the
-averages, but never lead a group, reduce a part or serve their state.
+a slot on each, and asks each to dial it through its own relay service and send it RELAY_PAYLOAD_BYTES that way. The
+relays that do are the ones it announces circuits through (their verdicts are trusted as the dial-back's are); with
+none (or with ``--no-use-relays``) it joins as a client: its DHT node makes requests but serves none, and its
+averagers join groups led by other units, send their parts to the reducers and receive the averages, but never lead a
+group, reduce a part or serve their state.
 
 The check's wire format reuses hivemind's protobufs: the request is a ``dht_pb2.FindRequest`` whose ``keys`` are the
 UTF-8 multiaddrs to dial, the answer a ``dht_pb2.PingResponse`` whose ``available`` is the verdict.

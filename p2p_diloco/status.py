@@ -15,12 +15,13 @@ from hivemind.utils import get_dht_time
 
 from p2p_diloco.config import ConfigError, NetworkSection
 from p2p_diloco.dht import start_dht, stop_dht
+from p2p_diloco.members import believed_rounds
 from p2p_diloco.membership import load_run_access
 from p2p_diloco.records import PeerProgress, SwarmRecords, record_validators
 from p2p_diloco.relays import CLIENT
 
 STALE_AFTER_S = 60.0  # a peer silent for longer is shown as stale (it publishes every few seconds)
-PeerState = Literal["live", "stale", "left"]
+PeerState = Literal["live", "stale", "left", "refused"]
 _HEADER = ("peer", "inner step", "outer round", "tokens/s", "loss", "eval loss", "last seen", "group size", "goodput")
 _CLEAR_SCREEN = "\x1b[H\x1b[2J"
 
@@ -58,11 +59,20 @@ def peer_state(row: PeerProgress, now: float, stale_after_s: float = STALE_AFTER
     return "stale" if _age_s(row, now) > stale_after_s else "live"
 
 
+def peer_states(rows: list[PeerProgress], now: float, stale_after_s: float = STALE_AFTER_S) -> dict[str, PeerState]:
+    """Each peer's :func:`peer_state`, or "refused" for one that has not left whose outer round is far ahead of the
+    other peers' (members.believed_rounds): units take neither its round nor its state."""
+    states = {row.peer_id: peer_state(row, now, stale_after_s) for row in rows}
+    claims = {row.peer_id: row.outer_round for row in rows if states[row.peer_id] != "left"}
+    believed = believed_rounds(claims)
+    return {peer: "refused" if peer in claims and peer not in believed else state for peer, state in states.items()}
+
+
 def swarm_snapshot(run_id: str, rows: list[PeerProgress], now: float, stale_after_s: float = STALE_AFTER_S) -> dict:
     """One JSON-ready object: every peer (its record, its state and age, sorted by peer id) and the swarm's totals
     over the live peers (summed tokens/s, goodput as summed useful compute / summed allocated peer-time, mean eval
     loss of those that reported one)."""
-    states = {row.peer_id: peer_state(row, now, stale_after_s) for row in rows}
+    states = peer_states(rows, now, stale_after_s)
     peers = [{**row.dict(exclude={"admission"}), "state": states[row.peer_id], "age_s": round(_age_s(row, now), 1)}
              for row in sorted(rows, key=lambda item: item.peer_id)]  # fmt: skip
     live = [row for row in rows if states[row.peer_id] == "live"]
@@ -123,10 +133,11 @@ def _render(run_id: str, rows: list[PeerProgress], stale_after_s: float, as_json
 
 def format_table(rows: list[PeerProgress], now: float, stale_after_s: float) -> str:
     """Aligned text table, one line per peer sorted by peer id, then the swarm's goodput over the live rows (neither
-    stale nor left: their summed useful compute / summed allocated peer-time)."""
+    stale, left nor refused: their summed useful compute / summed allocated peer-time)."""
     lines = [_HEADER]
+    states = peer_states(rows, now, stale_after_s)
     for row in sorted(rows, key=lambda item: item.peer_id):
-        state = peer_state(row, now, stale_after_s)
+        state = states[row.peer_id]
         lines.append(
             (
                 row.peer_id,
@@ -142,7 +153,7 @@ def format_table(rows: list[PeerProgress], now: float, stale_after_s: float) -> 
         )
     widths = [max(len(line[column]) for line in lines) for column in range(len(_HEADER))]
     table = "\n".join("  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip() for line in lines)
-    live = [row for row in rows if peer_state(row, now, stale_after_s) == "live"]
+    live = [row for row in rows if states[row.peer_id] == "live"]
     swarm = _percent(sum(row.useful_compute_s for row in live), sum(row.allocated_s for row in live))
     return f"{table}\nswarm goodput: {swarm} over {len(live)} live peers (useful compute / allocated peer-time)"
 

@@ -6,7 +6,8 @@ from fastapi.testclient import TestClient
 from test_records import progress
 
 from p2p_diloco.dashboard import SwarmHistory, create_app
-from p2p_diloco.status import swarm_snapshot
+from p2p_diloco.members import MAX_ROUND_LEAD
+from p2p_diloco.status import format_table, swarm_snapshot
 
 
 def test_snapshot_totals_count_live_peers_only() -> None:
@@ -23,6 +24,21 @@ def test_snapshot_totals_count_live_peers_only() -> None:
     ]  # fmt: skip
     assert snapshot["swarm"] == {"live_peers": 2, "peers": 4, "tokens_per_s": 150.0, "goodput": 0.5,
                                  "eval_loss": 4.0, "max_outer_round": 3, "mean_group_size": 2.0}  # fmt: skip
+
+
+def test_a_peer_claiming_a_round_far_ahead_is_shown_refused_and_not_counted() -> None:
+    now = 1000.0
+    rows = [progress(peer, last_seen=now, outer_round=5, tokens_per_s=10.0) for peer in ("a", "b")]
+    rows += [
+        progress("c", last_seen=now, outer_round=5 + MAX_ROUND_LEAD, tokens_per_s=10.0),  # still believed
+        progress("r", last_seen=now, outer_round=6 + MAX_ROUND_LEAD, tokens_per_s=999.0),
+        progress("x", last_seen=now, outer_round=10**6, phase="left"),  # a peer that left claims nothing
+    ]
+    snapshot = swarm_snapshot("run", rows, now)
+    states = {peer["peer_id"]: peer["state"] for peer in snapshot["peers"]}
+    assert states == {"a": "live", "b": "live", "c": "live", "r": "refused", "x": "left"}
+    assert snapshot["swarm"]["live_peers"] == 3 and snapshot["swarm"]["tokens_per_s"] == 30.0
+    assert "(refused)" in format_table(rows, now, stale_after_s=60).splitlines()[4]
 
 
 def test_history_gives_each_peer_a_series_with_gaps_where_it_was_not_live() -> None:
