@@ -124,9 +124,9 @@ def firewalled() -> Iterator[Namespaces]:
 @pytest.mark.swarm
 def test_firewalled_units_serve_state_and_average_through_a_relay(firewalled: Namespaces, tmp_path: Path) -> None:
     """Both units fail the bootstrap node's dial-back check. unit0 is then reached through the bootstrap node's relay
-    (confirmed by a dial through it) and merges a round alone; unit1, with --no-use-relays, joins as a client. No
-    connection between them can be direct: unit1 downloads unit0's state through the relay, then both merge rounds in
-    groups of two (unit1's quorum is 2), which unit0 leads and reduces, all through the relay."""
+    (confirmed by a 256 KiB check through it) and merges a round alone; unit1, with --no-use-relays, joins as a
+    client. Neither can open a connection to the other: unit1 downloads unit0's state through the relay, then both
+    merge rounds in groups of two (unit1's quorum is 2), which unit0 leads and reduces, through the relay."""
     swarm = Swarm(tmp_path, network=firewalled, unit_flags=QUICK_UNIT_FLAGS)
     try:
         bootstrap = swarm.bootstrap("bootstrap")
