@@ -66,11 +66,11 @@ def dial_back_addresses(remote_id: PeerID, keys: Sequence[bytes], checker_id: Pe
         except Exception as error:  # the multiaddr package raises several types for malformed addresses
             raise ValueError(f"not a multiaddr: {address!r} ({error})") from None
         names = [protocol.name for protocol, _ in parts]
-        if names[:3] == [names[0], "tcp", "p2p"] and names[0] in _DIALABLE and names[3:] == [CIRCUIT, "p2p"]:
-            if parts[2][1] != checker_id.to_base58():
-                raise ValueError(f"address {address} is a circuit through another relay than this checker")
-        elif len(names) != 3 or names[0] not in _DIALABLE or names[1:] != ["tcp", "p2p"]:
+        starts_with_a_peer = len(names) >= 3 and names[0] in _DIALABLE and names[1:3] == ["tcp", "p2p"]
+        if not starts_with_a_peer or names[3:] not in ([], [CIRCUIT, "p2p"]):
             raise ValueError(f"not a direct TCP address or a circuit through this checker: {address}")
+        if len(names) > 3 and parts[2][1] != checker_id.to_base58():
+            raise ValueError(f"address {address} is a circuit through another relay than this checker")
         if parts[-1][1] != remote_id.to_base58():
             raise ValueError(f"address {address} is not the asking peer's")
         addresses.append(address)
