@@ -121,8 +121,10 @@ def unit_in_swarm(
         state_server = StateServer(dht, keys.state(), theta, records, fragments=len(plan.fragments), gate=gate,
                                    momentum=plan.keeps_momentum)  # fmt: skip
         owned.callback(state_server.shutdown)
-        settle = functools.partial(_settle_averager, dht, plan, gate.shunning_suspects(), keys.settle())
-        network = UnitNetwork(averagers, consensus_averagers, state_server, records, peer_id, settle)
+        settle_gate = gate.shunning_suspects()
+        settle = functools.partial(_settle_averager, dht, plan, settle_gate, keys.settle())
+        network = UnitNetwork(averagers, consensus_averagers, state_server, records, peer_id, settle,
+                              settle_refuses=settle_gate.refused)  # fmt: skip
         signal.signal(signal.SIGINT, interrupt)  # starting a hivemind averager turned Ctrl+C off in this process
         metrics = owned.enter_context(_unit_report(config, plan, peer_id))
         unit = LearningUnit(config, plan, loaded, data(peer_id), network, metrics, ranks, trainer, eval_batches)

@@ -499,11 +499,21 @@ class RoundEngine:
             self.sync.store(everything)
         return self._consensus_end(0, RoundKind.SETTLE, status, outcome)
 
+    @property
+    def settle_period_s(self) -> float:
+        """The grid of the settle rounds' boundaries, shared by every unit whatever its period or schedule: two
+        minimum windows (a settle round after another begins one period later)."""
+        return 2 * self.plan.min_window_s
+
     def settle_window_s(self, now: float, not_before: float = 0.0) -> float:
-        """A settle round's matchmaking window: until the first boundary at least a minimum window after ``now`` and
-        ``not_before``, of the grid of two minimum windows that every unit shares whatever its period or schedule."""
-        window = self.plan.min_window_s
-        return next_boundary(max(now, not_before) + window, 2 * window, 0.0) - now
+        """A settle round's matchmaking window: until the first boundary of the settle grid at least a minimum window
+        after ``now`` and ``not_before``."""
+        return next_boundary(max(now, not_before) + self.plan.min_window_s, self.settle_period_s, 0.0) - now
+
+    def settle_patience(self, step_time_s: float | None) -> int:
+        """Settle rounds a unit goes on with beyond the plan's while a unit finishing with it has not met it yet: as
+        many as fit in the final rounds' bound, which that unit may still be waiting out."""
+        return math.ceil(self.final_round_bound_s(step_time_s) / self.settle_period_s)
 
     def settle_template(self) -> Tensors:
         """A tensor shaped like a settle round's payload (φ flat)."""

@@ -68,7 +68,8 @@ class JoinError(UserError):
 @dataclass
 class UnitNetwork:
     """What a unit talks to the swarm through: one averager per fragment of its plan (and one more per fragment for
-    consensus rounds when the plan has them), the state server, the run's records, and its own peer id."""
+    consensus rounds when the plan has them), the state server, the run's records, and its own peer id; at exit, a
+    maker of its settle averager and whom that averager refuses (by peer id)."""
 
     averagers: Sequence[Averager]
     consensus_averagers: Sequence[Averager]
@@ -76,6 +77,7 @@ class UnitNetwork:
     records: ProgressRecords
     peer_id: str
     settle_averager: Callable[[Sequence[torch.Tensor]], Averager] | None = None  # makes one for a template, at exit
+    settle_refuses: Callable[[str], bool] = lambda _peer_id: False
 
 
 class LearningUnit:
@@ -384,17 +386,23 @@ class LearningUnit:
         readable yet)."""
         return len(set(in_phase(records, *phases)) | {self.network.peer_id})
 
-    def _finishing(self) -> int:
-        """How many units are finishing now, this one included. A read without this unit's own record (stored before
-        its final rounds) is incomplete, as reads of a loaded DHT can be: then the last census of live units."""
+    def _finishing(self, seen: set[str]) -> int:
+        """How many units are finishing now that this one would settle with, this one included: those a read at exit
+        showed finishing (``seen``, updated here) until one shows them in another phase, as a unit's record may expire
+        while its final rounds run (it refreshes it at each settle round). A read without this unit's own record
+        (stored before its final rounds) is incomplete, as reads of a loaded DHT can be: then at least the last census
+        of live units."""
         records = self.network.records.read_progress()
+        seen.update(in_phase(records, "finishing"))
+        seen.difference_update(in_phase(records, "training", "left"))
+        finishing = {peer_id for peer_id in seen if not self.network.settle_refuses(peer_id)} | {self.network.peer_id}
         if self.network.peer_id not in records:
-            return max(self.engine.swarm_size, 1)
-        return self._census(records, "finishing")
+            return max(self.engine.swarm_size, len(finishing))
+        return len(finishing)
 
-    def _publish_progress(self, phase: Phase = "training") -> None:
-        """This unit's progress record; one of another phase than training is stored before returning (at most
-        DHT_TIMEOUT_S), so that the units leaving with it read it in time."""
+    def _publish_progress(self, phase: Phase = "training", wait: bool | None = None) -> None:
+        """This unit's progress record; stored before returning (at most DHT_TIMEOUT_S) when ``wait``, by default for
+        a phase other than training, so that the units leaving with it read it in time."""
         self.network.records.publish_progress(
             PeerProgress(
                 peer_id=self.network.peer_id,
@@ -411,7 +419,7 @@ class LearningUnit:
                 eval_loss=self.last_eval if self.last_eval is not None and math.isfinite(self.last_eval) else None,
             ),
             ttl_s=PROGRESS_TTL_S,
-            wait=phase != "training",
+            wait=phase != "training" if wait is None else wait,
         )
 
     def save(self) -> None:
@@ -491,23 +499,29 @@ class LearningUnit:
         export_pretrained(loaded.model, loaded.tokenizer, save_dir, state_dict=state)
 
     def _settle(self, averager: Averager, not_before: float) -> None:
-        """Up to ``settle_rounds`` settle rounds (rounds.py) with the units leaving at the same time, the first after
-        ``not_before`` (the boundary of the final rounds, whether this unit had one in flight or began one). Units
-        whose final rounds end at different times may settle among themselves first, and a contended matchmaking may
-        leave a unit out of a round, so the rounds go on until one held every unit finishing at the time (a census
-        read after each round: units announce that they are finishing, then that they left) with their φ already
-        within SETTLED_DRIFT. A unit leaving a swarm that trains on settles once; one that missed the others
-        finishing with it tries again."""
-        engine = self.engine
-        for _ in range(engine.plan.settle_rounds):
+        """Settle rounds (rounds.py) with the units leaving at the same time, the first after ``not_before`` (the
+        boundary of the final rounds, whether this unit had one in flight or began one). Units whose final rounds end
+        at different times may settle among themselves first, and a contended matchmaking may leave a unit out of a
+        round, so the rounds go on until one held every unit finishing at the time (:meth:`_finishing`: units
+        announce that they are finishing, refresh that each settle round, then announce that they left) with their φ
+        already within SETTLED_DRIFT; at most ``settle_rounds``, and beyond them, while a unit finishing has not met
+        this one yet, as many more as fit in the final rounds' bound (the time that unit may still spend in its own).
+        A unit leaving a swarm that trains on settles once."""
+        engine, plan = self.engine, self.engine.plan
+        last = plan.settle_rounds + engine.settle_patience(self.throughput.step_time_s)
+        seen_finishing: set[str] = set()
+        for number in range(1, last + 1):
+            self._publish_progress("finishing", wait=False)  # it may have expired in a long final round
             window_s = engine.settle_window_s(get_dht_time(), not_before)
             if not engine.begin_settle(averager, window_s):
                 return
-            end = engine.end_settle(
-                averager.finish_round(window_s + FINAL_ROUND_SLACK_S + engine.plan.allreduce_timeout_s)
-            )
+            end = engine.end_settle(averager.finish_round(window_s + FINAL_ROUND_SLACK_S + plan.allreduce_timeout_s))
             self._ended(end)
-            if end.member_drift <= SETTLED_DRIFT and end.group_size >= self._finishing():  # a census read if close
+            close = end.member_drift <= SETTLED_DRIFT
+            if number < plan.settle_rounds and not close:
+                continue  # another round is due whoever finishes: no census read
+            everyone = end.group_size >= self._finishing(seen_finishing)
+            if everyone and (close or number >= plan.settle_rounds):
                 return
 
     def _exit_rounds(self, begins: list[RoundBegin], bound_s: float) -> None:

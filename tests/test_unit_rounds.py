@@ -406,28 +406,56 @@ def test_finish_hands_the_last_steps_to_a_final_round_then_checkpoints_and_expor
 
 
 @pytest.mark.parametrize(
-    ("others", "settle_rounds"),
-    [({}, 1), ({"b": "finishing"}, 4), ({"b": "training"}, 1), ({"b": "left"}, 1)],
-    ids=["alone in the swarm", "another unit finishes", "the others train on", "the other unit left"],
-)
+    ("others", "waits"),
+    [({}, False), ({"b": "finishing"}, True), ({"suspect": "finishing"}, False), ({"b": "training"}, False),
+     ({"b": "left"}, False)],
+    ids=["alone in the swarm", "another unit finishes", "a suspect finishes", "the others train on",
+         "the other unit left"],
+)  # fmt: skip
 def test_a_lone_settle_round_is_retried_only_while_another_unit_finishes(
-    make_peer: PeerFactory, others: dict[str, Phase], settle_rounds: int
+    make_peer: PeerFactory, others: dict[str, Phase], waits: bool
 ) -> None:
-    """Settle rounds that meet nobody go on (up to --settle-rounds) while the census holds another unit that is
-    finishing; otherwise one round. The unit announces that it finishes, then that it left."""
+    """Settle rounds that meet nobody go on while the census holds another unit that is finishing and that the settle
+    rounds admit (--settle-rounds, then as many as fit in the final rounds' bound, which that unit may still be
+    waiting out); otherwise one round. The unit announces that it finishes, refreshes that each settle round, then
+    announces that it left."""
     settle = FakeGroup()  # only this unit's settle averager: every settle round is alone
     a = make_peer("a", FakeGroup(), settle_group=settle, outer__settle_rounds=4)
+    a.unit.network.settle_refuses = lambda peer_id: peer_id == "suspect"
     for name, phase in others.items():
         a.records.publish_progress(progress(name, 0, a.unit.loaded.fingerprint).copy(update={"phase": phase}))
     if not others:
         a.unit.engine.swarm_size = 3  # the census of live units while training: ignored (its own record is read)
     train_until_round(a)
+    patience = a.unit.engine.settle_patience(a.unit.throughput.step_time_s)
+    settle_rounds = 4 + patience if waits else 1
     a.unit.finish()
     (settle_averager,) = settle.members
+    assert patience >= 8  # quick units' final rounds: a window of at least 2 s, 1 s of slack, a 30 s all-reduce
     assert len(settle_averager.begun) == settle_rounds and settle_averager.is_shut_down
     assert a.averager.is_shut_down  # the round averager made room for the settle averager
     assert [end.kind for end in a.events(ConsensusRound)] == ["settle"] * settle_rounds
-    assert [record.phase for record in a.records.published if record.peer_id == "a"][-2:] == ["finishing", "left"]
+    phases = [record.phase for record in a.records.published if record.peer_id == "a"]
+    assert phases[-settle_rounds - 2 :] == ["finishing"] * (settle_rounds + 1) + ["left"]
+
+
+@pytest.mark.parametrize(("later", "settle_rounds"), [(None, None), ("left", 2)], ids=["expired", "left"])
+def test_a_unit_read_finishing_counts_until_a_read_shows_it_in_another_phase(
+    make_peer: PeerFactory, later: Phase | None, settle_rounds: int | None
+) -> None:
+    """A unit read finishing once still counts when its record is gone from later reads (it may have expired in a
+    long final round): the lone settle rounds go on as far as they may; a read that shows it left ends them."""
+    settle = FakeGroup()
+    a = make_peer("a", FakeGroup(), settle_group=settle, outer__settle_rounds=4)
+    train_until_round(a)
+    fingerprint = a.unit.loaded.fingerprint
+    own, other = (progress(name, 0, fingerprint).copy(update={"phase": "finishing"}) for name in ("a", "b"))
+    after = {"a": own} if later is None else {"a": own, "b": other.copy(update={"phase": later})}
+    reads = iter([{"a": own, "b": other}])
+    a.records.read_progress = lambda: next(reads, after)  # type: ignore[method-assign]
+    a.unit.finish()
+    patience = a.unit.engine.settle_patience(a.unit.throughput.step_time_s)
+    assert len(settle.members[0].begun) == (4 + patience if settle_rounds is None else settle_rounds)
 
 
 def test_a_census_read_without_its_own_record_falls_back_to_the_live_units(make_peer: PeerFactory) -> None:
@@ -440,7 +468,7 @@ def test_a_census_read_without_its_own_record_falls_back_to_the_live_units(make_
     a.unit.engine.swarm_size = 3
     train_until_round(a)
     a.unit.finish()
-    assert len(settle.members[0].begun) == 3
+    assert len(settle.members[0].begun) == 3 + a.unit.engine.settle_patience(a.unit.throughput.step_time_s)
 
 
 def test_finish_drops_a_round_that_does_not_end_in_time(make_peer: PeerFactory) -> None:
