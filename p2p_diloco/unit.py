@@ -470,9 +470,8 @@ class LearningUnit:
         self._exit_rounds(engine.begin_final(step_time_s, now), bound_s)
         for averager in (*self.network.averagers, *self.network.consensus_averagers):
             averager.shutdown()  # of no more use: the settle averager takes their place (memory stays flat at exit)
-        make_settle = self.network.settle_averager if engine.plan.settle_rounds else None
-        if make_settle is not None:
-            settle_averager = make_settle(engine.settle_template())
+        settle_averager = self._start_settle_averager()
+        if settle_averager is not None:
             try:
                 self._settle(settle_averager, not_before=final_boundary)
             finally:
@@ -497,6 +496,18 @@ class LearningUnit:
         names = [name for name, param in loaded.model.named_parameters() if param.requires_grad]
         state = {**dict(loaded.model.named_buffers()), **dict(zip(names, self.engine.global_params, strict=True))}
         export_pretrained(loaded.model, loaded.tokenizer, save_dir, state_dict=state)
+
+    def _start_settle_averager(self) -> Averager | None:
+        """The averager of the settle rounds; None without settle rounds, or when it fails to start (logged: the unit
+        leaves without settling rather than lose its final evaluation, checkpoint and export)."""
+        make_settle = self.network.settle_averager if self.engine.plan.settle_rounds else None
+        if make_settle is None:
+            return None
+        try:
+            return make_settle(self.engine.settle_template())
+        except Exception:  # hivemind raises whatever its averager process raised while starting
+            logger.exception("the settle averager did not start: leaving without settle rounds")
+            return None
 
     def _settle(self, averager: Averager, not_before: float) -> None:
         """Settle rounds (rounds.py) with the units leaving at the same time, the first after ``not_before`` (the

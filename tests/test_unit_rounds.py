@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from fakes import FakeGroup, FakeRecords, FaultPlan, clone_all
+from fakes import FakeAverager, FakeGroup, FakeRecords, FaultPlan, clone_all
 from transformers import AutoModelForCausalLM
 from unit_peers import (
     SYNC_DATA_PARALLEL,
@@ -456,6 +456,26 @@ def test_a_unit_read_finishing_counts_until_a_read_shows_it_in_another_phase(
     a.unit.finish()
     patience = a.unit.engine.settle_patience(a.unit.throughput.step_time_s)
     assert len(settle.members[0].begun) == (4 + patience if settle_rounds is None else settle_rounds)
+
+
+def test_a_settle_averager_that_fails_to_start_costs_only_the_settle_rounds(
+    make_peer: PeerFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Its averager process failing at exit (seen once: torch's shared memory manager timed out after the unit was
+    frozen), the unit still evaluates, checkpoints and announces that it left."""
+
+    def fails(_template: Sequence[torch.Tensor]) -> FakeAverager:
+        raise RuntimeError("Shared memory manager connection has timed out")
+
+    a = make_peer("a", FakeGroup(), settle_group=FakeGroup())
+    a.unit.network.settle_averager = fails
+    train_until_round(a)
+    a.unit.finish()
+    assert "the settle averager did not start" in caplog.text
+    assert a.events(Stop) and not a.events(ConsensusRound)
+    checkpoint = load_checkpoint(a.unit.checkpoint_path)
+    assert checkpoint is not None and checkpoint["outer_round"] == a.unit.outer_round
+    assert [record.phase for record in a.records.published if record.peer_id == "a"][-1] == "left"
 
 
 def test_a_census_read_without_its_own_record_falls_back_to_the_live_units(make_peer: PeerFactory) -> None:
