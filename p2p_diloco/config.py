@@ -141,8 +141,9 @@ class OuterSection(_Section):
         "boundaries of shared time, every power-of-two seconds nearest H inner steps",
     )
     settle_rounds: int = Field(
-        4, ge=0, le=16, description="rounds at exit that only average φ, so that units leaving together agree"
-    )
+        4, ge=0, le=16, description="rounds at exit that only average φ, so that units leaving together agree (more "
+        "while a unit finishing with this one has not met it, up to the final rounds' bound)",
+    )  # fmt: skip
     allreduce_timeout_s: float = Field(30.0, gt=0.0, description="bound on one all-reduce once a group formed")
     sync_momentum: bool = Field(
         True, description="average the outer momentum with the parameters (2x bytes; never at momentum 0: none to sync)"
