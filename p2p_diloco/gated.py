@@ -48,7 +48,8 @@ class GatedAverager(hivemind.DecentralizedAverager):
     weighted mean, checks the averaged parts the others return, and refuses, like a non-member, a member that offended
     (its parts invalid or far out of bounds, or its averages implausible: reducer.py) in MAX_OFFENCES of its last
     OFFENCE_WINDOW rounds with this averager (each averager counts its own; a refusal holds for all of the unit's
-    averagers: membership.py ``SharedPeerSet``; so does a suspicion after one offence, for the settle rounds).
+    averagers: membership.py ``SharedPeerSet``; so does a suspicion after one offence, for the settle rounds). A group
+    of two whose other member offended in its last OFFENCE_WINDOW rounds is left the same way: a pair cannot bound it.
     """
 
     _rpc_handlers = None  # hivemind caches RPC handlers per class: a subclass must collect its own
@@ -152,7 +153,18 @@ class GatedAverager(hivemind.DecentralizedAverager):
                 logger.warning("member %s refused for the rest of the run after %d offences", peer_id, offences)
 
     async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any) -> Any:
-        for peer_id in group_info.peer_ids:
-            if peer_id != self.peer_id and await self._refuses(peer_id, "a group"):
+        others = [peer_id for peer_id in group_info.peer_ids if peer_id != self.peer_id]
+        for peer_id in others:
+            if await self._refuses(peer_id, "a group"):
                 raise MatchmakingException(f"group {group_info.group_id!r} has a non-member, {peer_id}")
+        if self._pairs_with_an_offender(others):
+            raise MatchmakingException(f"group {group_info.group_id!r} pairs this unit with {others[0]}, which "
+                                       f"offended in its last {OFFENCE_WINDOW} rounds")  # fmt: skip
         return await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+
+    def _pairs_with_an_offender(self, others: Sequence[PeerID]) -> bool:
+        """Whether a group is this unit and one member that offended in any of its last OFFENCE_WINDOW rounds with
+        this averager: in a pair the bounded mean is the plain mean (nothing tells which member lies), so such a
+        member's part would not be bounded at all (seen: a noisy member not yet refused took an honest unit's eval
+        loss from 6.8 to 18.6 in one round of two)."""
+        return len(others) == 1 and any(self._offences.get(str(others[0]), ()))

@@ -207,6 +207,20 @@ def thousandfold_bounded_mean(*args: Any) -> BoundedMean:
     return replace(result, value=1000 * result.value)
 
 
+def test_a_pair_with_a_member_that_offended_in_its_window_is_left() -> None:
+    """The pair rule of ``GatedAverager._aggregate_with_group``: a group of two whose other member offended in any of
+    its last OFFENCE_WINDOW rounds is left (a pair cannot bound its part); a larger group, or a member whose offences
+    are older than that, is kept."""
+    judge = SimpleNamespace(gate=MemberGate.everyone(), _offences={})
+    GatedAverager._judge(judge, {"QmNoisy": SenderVerdict(parts=3, dropped=3, offended=True)})  # type: ignore[arg-type]
+    assert GatedAverager._pairs_with_an_offender(judge, ["QmNoisy"])  # type: ignore[arg-type,list-item]
+    assert not GatedAverager._pairs_with_an_offender(judge, ["QmNoisy", "QmOther"])  # type: ignore[arg-type,list-item]
+    assert not GatedAverager._pairs_with_an_offender(judge, ["QmOther"])  # type: ignore[arg-type,list-item]
+    for _ in range(OFFENCE_WINDOW):
+        GatedAverager._judge(judge, {"QmNoisy": SenderVerdict(parts=3)})  # type: ignore[arg-type]
+    assert not GatedAverager._pairs_with_an_offender(judge, ["QmNoisy"])  # type: ignore[arg-type,list-item]
+
+
 def test_a_member_is_refused_after_max_offences_in_its_window_and_only_then() -> None:
     """The policy of ``GatedAverager._judge``: clipped or capped parts are logged only; a member that offended
     (parts dropped as invalid or far off, implausible averages) is refused once MAX_OFFENCES of its last
