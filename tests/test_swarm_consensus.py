@@ -68,7 +68,8 @@ def test_units_in_groups_of_two_leave_as_one_model(swarm: Swarm) -> None:
     held_up = names[-1]
     with ThreadPoolExecutor(1) as stopping:
         codes = stopping.submit(swarm.stop, names, grace_s=180)
-        swarm.wait_for(lambda: "finishing the last outer rounds" in swarm.tail(held_up), 60, f"{held_up} finishing")
+        log = swarm.root / held_up / "stdout.log"
+        swarm.wait_for(lambda: "finishing the last outer rounds" in log.read_text(), 60, f"{held_up} finishing")
         main_process = swarm.processes[held_up].pid
         os.kill(main_process, signal.SIGSTOP)
         try:
