@@ -406,6 +406,7 @@ class RoundEngine:
         bound, at the fragment's next boundary (clock schedule) so that units leaving together meet (stops at a
         RESET: nothing finite to hand over)."""
         now = time.time() if now is None else now
+        self._cancel_mixes()  # they carry no progress, and they hold the averagers the final rounds need
         results = []
         for rounds in self.fragments:
             if rounds.sent is None and rounds.steps_since_round > 0:
@@ -542,10 +543,7 @@ class RoundEngine:
         for number in list(self.consensus_sent):
             self.consensus_averagers[number].finish_round(0.0)
             del self.consensus_sent[number]
-        for number in list(self.mix_sent):
-            self.averagers[number].finish_round(0.0)
-            del self.mix_sent[number]
-        self.mix_due.clear()
+        self._cancel_mixes()
         deadline = time.monotonic() + timeout_s
         ends = []
         for rounds, averager in zip(self.fragments, self.averagers):
@@ -558,6 +556,13 @@ class RoundEngine:
                 rounds.carry(rounds.sent)
                 rounds.sent = None
         return ends
+
+    def _cancel_mixes(self) -> None:
+        """Cancel the mix rounds in flight and forget those due."""
+        for number in list(self.mix_sent):
+            self.averagers[number].finish_round(0.0)
+            del self.mix_sent[number]
+        self.mix_due.clear()
 
     def _end(self, rounds: FragmentRounds, outcome: RoundOutcome) -> RoundEnd:
         sent, rounds.sent = rounds.sent, None
@@ -617,11 +622,11 @@ class RoundEngine:
         sent = self.mix_sent.pop(number)
         status = _status(outcome, check_tags=True)
         phi, moment = rounds.mix_parts(outcome.averaged) if outcome.averaged is not None else ([], [])
-        what = f"a mix round of fragment {number}"
-        if status is RoundStatus.MERGED and not _plausible_step(what, distance(phi, sent), rounds.last_step_scale):
+        what, sent_phi = f"a mix round of fragment {number}", rounds.mix_parts(sent)[0]
+        if status is RoundStatus.MERGED and not _plausible_step(what, distance(phi, sent_phi), rounds.last_step_scale):
             status = RoundStatus.REJECTED
         if status is RoundStatus.MERGED:
-            moved = [now + (new - old) for now, new, old in zip(self._read_local(rounds.fragment), phi, sent)]
+            moved = [now + (new - old) for now, new, old in zip(self._read_local(rounds.fragment), phi, sent_phi)]
             assign(self.global_params, rounds.fragment, phi)
             self._write_local(rounds.fragment, moved)
             if moment:

@@ -11,7 +11,7 @@ from fakes import FakeGroup, TimedGroup
 from p2p_diloco.clock import RoundClock, next_boundary, power_of_two_period
 from p2p_diloco.config import OuterSection
 from p2p_diloco.plan import RoundPlan
-from p2p_diloco.rounds import RoundEngine, RoundKind, RoundStatus
+from p2p_diloco.rounds import RoundEnd, RoundEngine, RoundKind, RoundStatus
 
 SHAPES = [(8, 4), (4,)]
 TOKENS = 10
@@ -166,24 +166,39 @@ def test_the_settle_grid_is_shared_whatever_the_period() -> None:
     assert 1000.0 + early == 1009.0 + late == 1016.0, "units that drained at different times settle together"
 
 
-def test_the_mix_stage_brings_groups_smaller_than_the_swarm_to_the_exact_weighted_mean() -> None:
-    """Four units in groups of at most two: after a fragment round they hold two group means; half a period later the
-    mix round pairs the first members of both groups and the second members of both, weighted by their groups'
-    tokens, so all four hold the weighted mean of the four proposals: synchronous DiLoCo's φ."""
+def mixing_units(outer_momentum: float) -> tuple[TimedGroup, list[RoundEngine]]:
+    """Four units on the clock schedule in groups of at most two (more live units than the target: the mix stage
+    runs)."""
     group = TimedGroup(target_size=2)
-    plan = plan_of(inner_steps=10, min_window_s=0.5, target_group_size=2)
+    plan = plan_of(inner_steps=10, min_window_s=0.5, target_group_size=2, outer_momentum=outer_momentum)
     units = engines(4, plan, group)
     for engine in units:
-        engine.swarm_size = 4  # more live units than the target group: the mix stage runs
+        engine.swarm_size = 4
+    return group, units
+
+
+def tick(group: TimedGroup, units: list[RoundEngine], now: float) -> list[RoundEnd]:
+    """0.1 s later: every unit trains a step (unit i on i + 1 times the tokens of unit 0), merges what ended and
+    begins what is due; the rounds that ended."""
+    group.advance(now)
+    ends = []
+    for index, engine in enumerate(units):
+        engine.record_step(TOKENS * (index + 1), 0.1)  # unequal weights
+        ends += engine.poll()
+        engine.begin_due(0.1, now)
+    return ends
+
+
+@pytest.mark.parametrize("outer_momentum", [0.0, 0.9], ids=["plain average", "momentum synced"])
+def test_the_mix_stage_brings_groups_smaller_than_the_swarm_to_the_exact_weighted_mean(outer_momentum: float) -> None:
+    """Four units in groups of at most two: after a fragment round they hold two group means; half a period later the
+    mix round pairs the first members of both groups and the second members of both, weighted by their groups'
+    tokens, so all four hold the weighted mean of the four proposals (and of their momenta): synchronous DiLoCo's φ."""
+    group, units = mixing_units(outer_momentum)
     now, mixed = 10_000.0, []
     while len(mixed) < 4 and now < 10_030.0:
         now += 0.1
-        group.advance(now)
-        for index, engine in enumerate(units):
-            engine.record_step(TOKENS * (index + 1), 0.1)  # unequal weights
-            for end in engine.poll():
-                mixed += [end] if end.kind is RoundKind.MIX else []
-            engine.begin_due(0.1, now)
+        mixed += [end for end in tick(group, units, now) if end.kind is RoundKind.MIX]
     assert [end.status for end in mixed] == [RoundStatus.MERGED] * 4 and {end.group_size for end in mixed} == {2}
     assert all(engine.clock is not None and engine.clock.rounds_per_period == 2 for engine in units)
     mixes = [index for index, r in enumerate(group.rounds) if any(b.tag == "mix" for b in r.values())]
@@ -196,3 +211,19 @@ def test_the_mix_stage_brings_groups_smaller_than_the_swarm_to_the_exact_weighte
     for engine in units:
         assert all(torch.allclose(phi, want, atol=1e-5) for phi, want in zip(engine.global_params, expected[:count]))
         assert all(torch.allclose(m, want, atol=1e-5) for m, want in zip(engine.momentum, expected[count:]))
+    assert len(units[0].momentum) == (count if outer_momentum else 0)
+
+
+def test_final_rounds_begin_while_a_mix_round_is_in_flight() -> None:
+    """A unit leaving half a period after a fragment round cancels its mix round in flight (it carries no progress)
+    and hands its last steps to a final round on the same averager."""
+    group, units = mixing_units(outer_momentum=0.9)
+    now = 10_000.0
+    while not any(engine.mix_sent for engine in units) and now < 10_030.0:
+        now += 0.1
+        tick(group, units, now)
+    leaving = next(engine for engine in units if engine.mix_sent)
+    leaving.record_step(TOKENS, 0.1)
+    begins = leaving.begin_final(0.1, now)
+    assert not leaving.mix_sent and not leaving.mix_due
+    assert [begin.status for begin in begins] == [RoundStatus.BEGUN]
