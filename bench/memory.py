@@ -43,8 +43,8 @@ from p2p_diloco.config import PeerConfig, add_config_arguments, load_config
 from p2p_diloco.events import OuterRound, Stop, read_events
 from p2p_diloco.launcher import CLI, spawn, stop_process_groups
 from p2p_diloco.model import resolve_device
-from p2p_diloco.plan import RoundPlan
 from p2p_diloco.presets import CORPUS
+from p2p_diloco.rounds.plan import RoundPlan
 
 SAMPLE_EVERY_S = 0.2
 TIMELINE_EVERY_S = 1.0  # the report keeps one sample per this many seconds

@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from p2p_diloco.plan import RoundPlan
+from p2p_diloco.rounds.plan import RoundPlan
 from p2p_diloco.streaming import Payload
 
 FP32 = 4
@@ -61,7 +61,7 @@ def inventory(plan: RoundPlan, weight_bytes: int = FP32) -> list[Copy]:
     lossy = plan.payload is Payload.PSEUDO_GRADIENT
     s = in_flight_share(plan)
     children = forked_children(plan)
-    m = 1 if plan.keeps_momentum else 0  # at outer momentum 0 no m exists anywhere (rounds.py)
+    m = 1 if plan.keeps_momentum else 0  # at outer momentum 0 no m exists anywhere (rounds/engine.py)
     own_momentum = 1 if plan.payload is Payload.PROPOSAL else 0
     return [
         Copy("θ (the model's parameters)", "main", "persistent", weight_bytes, "model.py:load_model", bare=True),
@@ -82,7 +82,7 @@ def inventory(plan: RoundPlan, weight_bytes: int = FP32) -> list[Copy]:
         Copy("state server's served copy (φ, and m)", "shared memory: main + the state server", "persistent",
              FP32 * (1 + m), "state_sync.py:StateServer.__init__ (buffers), StateServer.publish (copy_ into them)"),
         Copy("error-feedback residuals", "main", "persistent", FP32 if plan.error_feedback else 0.0,
-             "compression.py:ErrorFeedback.update ← streaming.py:FragmentRounds.mark_sent (lossy codecs)"),
+             "streaming.py:ErrorFeedback.update ← streaming.py:FragmentRounds.mark_sent (lossy codecs)"),
         Copy(f"the main process's pages inherited at each fork: θ, AdamW state, φ, m, freed buffer templates "
              f"({children} children: DHT, averagers, state server)", "each forked child", "persistent", 0.0,
              "forking.py:dropped_in_forked_children (malloc_trim before the fork, MADV_DONTNEED in the child) ← "

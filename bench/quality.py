@@ -30,16 +30,15 @@ from typing import Any, Literal
 
 import torch
 
-from p2p_diloco.averaging import RoundOutcome, check_round_request
-from p2p_diloco.compression import Codec, roundtrip
-from p2p_diloco.config import PeerConfig, load_config
+from p2p_diloco.compression import roundtrip
+from p2p_diloco.config import Codec, PeerConfig, load_config
 from p2p_diloco.data import TextData, load_text_data, shard_seed
 from p2p_diloco.diloco import probe_drift
 from p2p_diloco.inner import InnerTrainer
 from p2p_diloco.metrics import MetricsLog
-from p2p_diloco.model import export_pretrained, load_model
-from p2p_diloco.plan import RoundPlan
+from p2p_diloco.model import export_pretrained, load_model, round_plan
 from p2p_diloco.records import PeerProgress, PendingProgress
+from p2p_diloco.rounds.averager import RoundOutcome, check_round_request
 from p2p_diloco.state_sync import SwarmState
 from p2p_diloco.unit import LearningUnit, UnitNetwork
 
@@ -355,7 +354,7 @@ def _local_unit(config: PeerConfig, member: int, swarm: LocalSwarm) -> LearningU
     """A learning unit whose averagers meet in ``swarm`` (same seed: every unit starts from the same weights)."""
     loaded = load_model(config.model)
     trained = [param for param in loaded.model.parameters() if param.requires_grad]
-    plan = RoundPlan.for_model(config.outer, loaded.model, trained)
+    plan = round_plan(config.outer, loaded.model, trained)
     averagers = [swarm.averager(f"fragment{number}", member, template)
                  for number, template in enumerate(plan.round_templates(trained))]  # fmt: skip
     consensus = [swarm.averager(f"consensus{number}", member, template)

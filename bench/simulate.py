@@ -1,6 +1,6 @@
 """A simulator of group formation and consensus beyond one machine: no torch training, no network.
 
-Each simulated unit runs the project's own round engine (rounds.py: its schedule, clock, merge rules, settle-free)
+Each simulated unit runs the project's own round engine (its schedule, clock, merge rules, settle-free)
 on a small vector instead of a model, in simulated time:
 
 * inner steps: every step (a unit's step time is drawn once from a log-normal around the measured median, and
@@ -38,11 +38,12 @@ from typing import Any
 import torch
 
 from bench.scale import pairwise, percentile
-from p2p_diloco.averaging import RoundOutcome, check_round_request
 from p2p_diloco.config import OuterSection
 from p2p_diloco.diloco import probe_drift, weighted_average
-from p2p_diloco.plan import RoundPlan
-from p2p_diloco.rounds import RoundEngine, RoundKind, RoundStatus
+from p2p_diloco.rounds.averager import RoundOutcome, check_round_request
+from p2p_diloco.rounds.engine import RoundEngine
+from p2p_diloco.rounds.plan import RoundPlan
+from p2p_diloco.rounds.results import RoundKind, RoundStatus
 
 DIMENSION = 256
 SAMPLED_UNITS = 64  # pairwise distances of larger swarms are measured on this many random units

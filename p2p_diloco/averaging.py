@@ -1,5 +1,5 @@
-"""The one seam between a learning unit and the network: average one outer round with reachable peers. The seam is
-the :class:`Averager` protocol; :class:`OuterAverager` implements it on hivemind's ``DecentralizedAverager``.
+"""Average one outer round with reachable peers: :class:`OuterAverager` implements the round engine's seam to the
+network (rounds/averager.py ``Averager``) on hivemind's ``DecentralizedAverager``.
 
 A round is started with :meth:`OuterAverager.begin_round` and never blocks: matchmaking and the all-reduce
 run in hivemind's averager process while the unit keeps training, and :meth:`OuterAverager.poll` returns
@@ -37,7 +37,6 @@ import time
 from collections.abc import Sequence
 from concurrent.futures import InvalidStateError
 from dataclasses import dataclass
-from typing import Protocol
 
 import hivemind
 import torch
@@ -49,75 +48,13 @@ from p2p_diloco.diloco import probe_drift
 from p2p_diloco.gated import GatedAverager
 from p2p_diloco.members import MemberInfo, read_member
 from p2p_diloco.membership import MemberGate
+from p2p_diloco.rounds.averager import RoundOutcome, check_round_request
 
 logger = logging.getLogger(__name__)
 
 TENSOR_LOCK_WAIT_S = 0.05  # longest an inner step waits for the averaged tensors
 LOCK_WARNING_EVERY_S = 30.0
 STUCK_MARGIN_S = 5.0  # the tensors' lock busy this long past the all-reduce timeout: the averager is restarted
-
-
-@dataclass(frozen=True)
-class RoundOutcome:
-    """What one outer round produced. ``averaged`` is None when the round failed (see ``error``)."""
-
-    averaged: list[torch.Tensor] | None
-    group_size: int
-    max_member_round: int
-    total_weight: float
-    started_at: float
-    finished_at: float
-    member_drift: float = 0.0  # relative distance between members' global parameters before the round
-    error: str | None = None
-    member_tags: tuple[str, ...] = ()  # every member's ``tag`` (see ``begin_round``)
-    member_periods: tuple[float, ...] = ()  # every member's ``period_s`` (see ``begin_round``)
-    position: int = 0  # this unit's place in the group's order (the same order for every member)
-
-    @property
-    def tags_agree(self) -> bool:
-        """True when more than half of the members (this unit included) declared this unit's tag (e.g. averaged the
-        same fragment). One member declaring another tag, or garbage, cannot veto a round of the others (it could
-        veto every settle round, so the honest units left as different models: measured); its part was bounded like
-        any other's."""
-        if not self.member_tags:
-            return True
-        own = self.member_tags[min(self.position, len(self.member_tags) - 1)]
-        return 2 * sum(tag == own for tag in self.member_tags) > len(self.member_tags)
-
-
-class Averager(Protocol):
-    """The network seam of a unit's outer rounds, as the round engine (rounds.py) uses it: :class:`OuterAverager`
-    is the real one, tests/fakes.py has in-memory ones. One round at a time; nothing here may block the inner loop
-    (but :meth:`finish_round`, bounded, at exit)."""
-
-    def begin_round(
-        self,
-        proposal: Sequence[torch.Tensor],
-        weight: float,
-        outer_round: int,
-        window_s: float,
-        probe: Sequence[float] = (),
-        tag: str = "",
-        period_s: float = 0.0,
-        subgroup: str = "",
-    ) -> bool:
-        """Start averaging ``proposal`` with whichever units meet within ``window_s`` under the same ``subgroup`` (a
-        string of bits: hivemind's group key); False when it cannot be taken now (nothing started). ``probe``,
-        ``tag`` and ``period_s`` are shared with the group. Raises RuntimeError with a round in flight, ValueError
-        for a malformed request."""
-        ...
-
-    def poll(self) -> RoundOutcome | None:
-        """The outcome of the round in flight once it ended, else None; never raises for network failures."""
-        ...
-
-    def finish_round(self, timeout_s: float) -> RoundOutcome | None:
-        """Wait up to ``timeout_s`` for the round in flight; a round still running then is cancelled (None)."""
-        ...
-
-    def shutdown(self) -> None:
-        """Cancel the round in flight and release what the averager holds; a second call does nothing."""
-        ...
 
 
 @dataclass
@@ -351,19 +288,6 @@ class OuterAverager:
         self._pending = None
         if self._averager.is_alive():  # hivemind logs an exception for a second shutdown
             self._averager.shutdown()
-
-
-def check_round_request(
-    in_flight: bool, shapes: Sequence[tuple[int, ...]], proposal: Sequence[torch.Tensor], weight: float
-) -> None:
-    """The preconditions of ``begin_round``: RuntimeError if a round is in flight, ValueError for a proposal of
-    other shapes or a weight that is not positive."""
-    if in_flight:
-        raise RuntimeError("an outer round is already in flight")
-    if [tuple(tensor.shape) for tensor in proposal] != list(shapes):
-        raise ValueError("proposal does not match the averaged tensors' shapes")
-    if not weight > 0:
-        raise ValueError(f"weight must be positive, got {weight}")
 
 
 def _cancel(control: StepControl) -> None:

@@ -33,8 +33,6 @@ Bounds, for a tensor sent as one flat part (``error_bound`` gives them per eleme
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
-from typing import Literal
 
 import torch
 from hivemind.compression import (
@@ -46,8 +44,7 @@ from hivemind.compression import (
     serialize_torch_tensor,
 )
 
-Codec = Literal["fp32", "fp16", "int8"]
-CODECS: tuple[Codec, ...] = ("fp32", "fp16", "int8")
+from p2p_diloco.config import CODECS, Codec
 
 INT8_GAUSSIAN_REL_L2 = 0.03
 """Bound on ‖roundtrip(x) − x‖ / ‖x‖ for int8 and Gaussian x of ≥ 10**4 elements (measured, see module doc)."""
@@ -148,66 +145,3 @@ def _uniform_int8_bound(flat: torch.Tensor) -> torch.Tensor:
 
 def _flat_fp32(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().to(device="cpu", dtype=torch.float32).reshape(-1)
-
-
-class ErrorFeedback:
-    """Carries what the codec lost in one round into the next, one fp32 residual r per tensor.
-
-    Each round: send c = compensate(Δ) = Δ + r, then update(c, decoded) sets r = c − decoded. Summed over rounds,
-    what was transmitted equals the sum of the Δs minus the current residual, so the codec's error stays that of
-    one round instead of growing with the number of rounds. Residuals are created by the first update and live
-    on the device of the tensors given; all arithmetic is fp32.
-    """
-
-    def __init__(self) -> None:
-        self._residuals: list[torch.Tensor] | None = None
-
-    def compensate(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """New fp32 tensors ``tensors + residuals`` (copies of ``tensors`` before the first update).
-
-        Raises ValueError if the shapes differ from the residuals'."""
-        if self._residuals is None:
-            return [tensor.detach().to(torch.float32, copy=True) for tensor in tensors]
-        _check_shapes(tensors, self._residuals, "tensors", "residuals")
-        return [
-            tensor.detach().to(torch.float32) + residual.to(tensor.device)
-            for tensor, residual in zip(tensors, self._residuals)
-        ]
-
-    def update(self, compensated: Sequence[torch.Tensor], transmitted: Sequence[torch.Tensor]) -> None:
-        """residuals ← compensated − transmitted, where ``transmitted`` is what the receivers decoded.
-
-        Raises ValueError (residuals unchanged) if the two lists differ in shapes or from the residuals' shapes."""
-        _check_shapes(compensated, transmitted, "compensated", "transmitted")
-        if self._residuals is not None:
-            _check_shapes(compensated, self._residuals, "compensated", "residuals")
-        self._residuals = [
-            sent.detach().to(torch.float32) - received.detach().to(device=sent.device, dtype=torch.float32)
-            for sent, received in zip(compensated, transmitted)
-        ]
-
-    @property
-    def residuals(self) -> list[torch.Tensor]:
-        """The residuals themselves (none before the first update)."""
-        return list(self._residuals or [])
-
-    def reset(self) -> None:
-        """Forget the residuals (e.g. after the tensors' shapes changed)."""
-        self._residuals = None
-
-    def state_dict(self) -> dict[str, list[torch.Tensor]]:
-        """Copies of the residuals for a checkpoint (an empty list before the first update)."""
-        return {"residuals": [residual.clone() for residual in self._residuals or []]}
-
-    def load_state_dict(self, state: Mapping[str, Sequence[torch.Tensor]]) -> None:
-        """Restore residuals saved by :meth:`state_dict`. Raises ValueError (state unchanged) for a malformed state."""
-        residuals = state.get("residuals") if isinstance(state, Mapping) else None
-        if not isinstance(residuals, Sequence) or not all(isinstance(item, torch.Tensor) for item in residuals):
-            raise ValueError("error feedback state must be {'residuals': [tensor, ...]}")
-        self._residuals = [residual.detach().to(torch.float32, copy=True) for residual in residuals] or None
-
-
-def _check_shapes(first: Sequence[torch.Tensor], second: Sequence[torch.Tensor], name1: str, name2: str) -> None:
-    first_shapes, second_shapes = [tuple(t.shape) for t in first], [tuple(t.shape) for t in second]
-    if first_shapes != second_shapes:
-        raise ValueError(f"{name1} shapes {first_shapes} do not match {name2} shapes {second_shapes}")

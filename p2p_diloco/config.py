@@ -19,6 +19,8 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError
 from p2p_diloco.errors import UserError
 from p2p_diloco.presets import PRESETS
 
+Codec = Literal["fp32", "fp16", "int8"]  # the wire codec of a fragment round (compression.py: hivemind's codec of each)
+CODECS: tuple[Codec, ...] = ("fp32", "fp16", "int8")
 TRACKERS = ("tensorboard", "wandb")  # --report-to's trackers, each the name of the package it needs
 
 
@@ -109,7 +111,7 @@ def _aliases(*old_names: str) -> dict[str, Any]:
     return {"aliases": list(old_names)}
 
 
-Schedule = Literal["clock", "steps"]  # when rounds are due (rounds.py, clock.py)
+Schedule = Literal["clock", "steps"]  # when rounds are due (rounds/engine.py, rounds/clock.py)
 
 
 class OuterSection(_Section):
@@ -150,7 +152,7 @@ class OuterSection(_Section):
     )
     fragments: int = Field(1, ge=1, le=64, description="P: streaming fragments syncing on staggered schedules")
     max_in_flight: int = Field(2, ge=1, description="most rounds in flight at once (consensus rounds included)")
-    codec: Literal["fp32", "fp16", "int8"] = Field(
+    codec: Codec = Field(
         "fp32",
         description="wire codec: fp32 averages outer-step proposals, fp16/int8 compressed pseudo-gradients",
     )

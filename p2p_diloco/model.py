@@ -32,8 +32,9 @@ import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from p2p_diloco.adapters import adapter_signature, saveable, with_adapters
-from p2p_diloco.config import ModelSection
+from p2p_diloco.config import ModelSection, OuterSection
 from p2p_diloco.errors import UserError, first_line
+from p2p_diloco.rounds.plan import RoundPlan
 
 logger = logging.getLogger(__name__)
 
@@ -148,6 +149,12 @@ def embedding_indices(model: torch.nn.Module, trained: Sequence[torch.Tensor]) -
     owned = {id(param) for module in model.modules() if isinstance(module, torch.nn.Embedding)
              for param in module.parameters()}  # fmt: skip
     return frozenset(index for index, param in enumerate(trained) if id(param) in owned)
+
+
+def round_plan(outer: OuterSection, model: torch.nn.Module, trained: Sequence[torch.Tensor]) -> RoundPlan:
+    """The round plan of a unit that trains ``trained``, parameters of ``model`` (its embeddings merged by their mean
+    under RDA). Raises ConfigError when the model cannot be split into ``outer.fragments`` fragments."""
+    return RoundPlan.from_config(outer, [tensor.shape for tensor in trained], embedding_indices(model, trained))
 
 
 def export_pretrained(

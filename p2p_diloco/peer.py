@@ -16,19 +16,19 @@ import torch
 
 from p2p_diloco import events
 from p2p_diloco.averaging import OuterAverager
-from p2p_diloco.compression import Codec, hivemind_compression
-from p2p_diloco.config import PeerConfig, SwarmSections
+from p2p_diloco.compression import hivemind_compression
+from p2p_diloco.config import Codec, PeerConfig, SwarmSections
 from p2p_diloco.data import TextData, load_text_data, shard_seed
 from p2p_diloco.dht import peer_identity, start_dht, stop_dht, visible_multiaddrs
 from p2p_diloco.forking import dropped_in_forked_children, module_tensors
 from p2p_diloco.inner import InnerTrainer
 from p2p_diloco.membership import MemberGate, MembershipError, load_run_access
 from p2p_diloco.metrics import MetricsLog
-from p2p_diloco.model import LoadedModel, load_model
-from p2p_diloco.plan import KeySchema, RoundPlan
+from p2p_diloco.model import LoadedModel, load_model, round_plan
 from p2p_diloco.ranks import Ranks, join_ranks, rank_identity, theta_probe
 from p2p_diloco.reachability import reachability_of, serve_dial_back_checks
 from p2p_diloco.records import SwarmRecords, members_key, record_validators, run_record_keys
+from p2p_diloco.rounds.plan import KeySchema, RoundPlan
 from p2p_diloco.state_sync import StateServer
 from p2p_diloco.tracking import RoundLines, UnitReport, open_trackers, run_description, write_run_file
 from p2p_diloco.unit import JoinError, LearningUnit, UnitNetwork
@@ -85,7 +85,7 @@ def unit_in_swarm(
     Raises NetworkError, JoinError, MembershipError or CheckpointError (one-line messages)."""
     ranks = ranks or Ranks()
     trained = [param for param in loaded.model.parameters() if param.requires_grad]
-    plan = RoundPlan.for_model(config.outer, loaded.model, trained)
+    plan = round_plan(config.outer, loaded.model, trained)
     theta = ranks.theta(trained)  # whole tensors, shaped like what the unit averages and serves
     run_id = config.network.run_id
     identity = peer_identity(config.network.identity_path)
@@ -181,7 +181,7 @@ def _run_follower(config: PeerConfig, loaded: LoadedModel, ranks: Ranks) -> None
 def _settle_averager(
     dht: hivemind.DHT, plan: RoundPlan, gate: MemberGate, prefix: str, template: Sequence[torch.Tensor]
 ) -> OuterAverager:
-    """The averager of a unit's settle rounds at exit (rounds.py): fp32, groups as large as hivemind takes, so that
+    """The averager of a unit's settle rounds at exit: fp32, groups as large as hivemind takes, so that
     every unit leaving at the same boundary meets; the unit shuts it down."""
     return OuterAverager(dht, prefix, template, quorum=1, target_group_size=SETTLE_GROUP_SIZE,
                          allreduce_timeout_s=plan.allreduce_timeout_s, gate=gate)  # fmt: skip

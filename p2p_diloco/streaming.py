@@ -1,6 +1,6 @@
 """One streaming fragment's outer rounds: what a unit sends for it and how the average comes back (torch only).
 
-Two kinds of payload (:class:`Payload`, chosen by the round plan from the codec, plan.py):
+Two kinds of payload (:class:`Payload`, chosen by the round plan from the codec, rounds/plan.py):
 
 * with ``fp32``, the *proposal*: the outer step the unit would take alone, ``(φ'_p, m'_p) = OuterOpt(φ_p, m_p, Δ_p)``
   (m'_p only with ``sync_momentum``). Members average proposals, which also averages their φ_p and m_p: every round
@@ -28,17 +28,13 @@ steps' progress on fragment p is kept; other fragments are untouched.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
 from p2p_diloco.diloco import OuterHyperparams, distance, outer_step, pseudo_gradient, radial_merge, radial_parts
 from p2p_diloco.fragments import Fragment, copies, first_round_offset, views
-
-if TYPE_CHECKING:
-    from p2p_diloco.compression import ErrorFeedback
 
 Tensors = list[torch.Tensor]
 Roundtrip = Callable[[torch.Tensor], torch.Tensor]
@@ -168,7 +164,7 @@ class FragmentRounds:
 
 
 def _momentum_copies(momentum: Sequence[torch.Tensor], fragment: Fragment) -> Tensors:
-    """The fragment's pieces of m, or none when the unit keeps no momentum (μ = 0, rounds.py)."""
+    """The fragment's pieces of m, or none when the unit keeps no momentum (μ = 0, rounds/engine.py)."""
     return copies(momentum, fragment) if momentum else []
 
 
@@ -187,3 +183,66 @@ def consensus_correction(averaged: torch.Tensor, sent: torch.Tensor, fragment: F
         corrections.append(difference[offset : offset + view.numel()].reshape(view.shape).clone())
         offset += view.numel()
     return corrections
+
+
+class ErrorFeedback:
+    """Carries what the codec lost in one round into the next, one fp32 residual r per tensor.
+
+    Each round: send c = compensate(Δ) = Δ + r, then update(c, decoded) sets r = c − decoded. Summed over rounds,
+    what was transmitted equals the sum of the Δs minus the current residual, so the codec's error stays that of
+    one round instead of growing with the number of rounds. Residuals are created by the first update and live
+    on the device of the tensors given; all arithmetic is fp32.
+    """
+
+    def __init__(self) -> None:
+        self._residuals: list[torch.Tensor] | None = None
+
+    def compensate(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """New fp32 tensors ``tensors + residuals`` (copies of ``tensors`` before the first update).
+
+        Raises ValueError if the shapes differ from the residuals'."""
+        if self._residuals is None:
+            return [tensor.detach().to(torch.float32, copy=True) for tensor in tensors]
+        _check_shapes(tensors, self._residuals, "tensors", "residuals")
+        return [
+            tensor.detach().to(torch.float32) + residual.to(tensor.device)
+            for tensor, residual in zip(tensors, self._residuals)
+        ]
+
+    def update(self, compensated: Sequence[torch.Tensor], transmitted: Sequence[torch.Tensor]) -> None:
+        """residuals ← compensated − transmitted, where ``transmitted`` is what the receivers decoded.
+
+        Raises ValueError (residuals unchanged) if the two lists differ in shapes or from the residuals' shapes."""
+        _check_shapes(compensated, transmitted, "compensated", "transmitted")
+        if self._residuals is not None:
+            _check_shapes(compensated, self._residuals, "compensated", "residuals")
+        self._residuals = [
+            sent.detach().to(torch.float32) - received.detach().to(device=sent.device, dtype=torch.float32)
+            for sent, received in zip(compensated, transmitted)
+        ]
+
+    @property
+    def residuals(self) -> list[torch.Tensor]:
+        """The residuals themselves (none before the first update)."""
+        return list(self._residuals or [])
+
+    def reset(self) -> None:
+        """Forget the residuals (e.g. after the tensors' shapes changed)."""
+        self._residuals = None
+
+    def state_dict(self) -> dict[str, list[torch.Tensor]]:
+        """Copies of the residuals for a checkpoint (an empty list before the first update)."""
+        return {"residuals": [residual.clone() for residual in self._residuals or []]}
+
+    def load_state_dict(self, state: Mapping[str, Sequence[torch.Tensor]]) -> None:
+        """Restore residuals saved by :meth:`state_dict`. Raises ValueError (state unchanged) for a malformed state."""
+        residuals = state.get("residuals") if isinstance(state, Mapping) else None
+        if not isinstance(residuals, Sequence) or not all(isinstance(item, torch.Tensor) for item in residuals):
+            raise ValueError("error feedback state must be {'residuals': [tensor, ...]}")
+        self._residuals = [residual.detach().to(torch.float32, copy=True) for residual in residuals] or None
+
+
+def _check_shapes(first: Sequence[torch.Tensor], second: Sequence[torch.Tensor], name1: str, name2: str) -> None:
+    first_shapes, second_shapes = [tuple(t.shape) for t in first], [tuple(t.shape) for t in second]
+    if first_shapes != second_shapes:
+        raise ValueError(f"{name1} shapes {first_shapes} do not match {name2} shapes {second_shapes}")

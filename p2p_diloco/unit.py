@@ -1,5 +1,5 @@
 """One learning unit: the inner loop, join/resume/download, checkpoints, evals, publishing and metrics. Its outer rounds
-(streaming fragments, payloads, merges, consensus rounds and what failures do) are the round engine's (rounds.py);
+(streaming fragments, payloads, merges, consensus rounds and what failures do) are the round engine's (rounds/);
 the unit does the I/O that the engine's results call for.
 
 Who steps θ: the unit's own trainer on its own data (:meth:`LearningUnit.run`, ``p2p-diloco join``; with several
@@ -22,6 +22,7 @@ checkpoint, or starts from the initial weights when the swarm has no state yet.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import threading
@@ -34,8 +35,8 @@ import torch
 from hivemind.utils import get_dht_time
 
 from p2p_diloco import events
-from p2p_diloco.averaging import Averager
 from p2p_diloco.checkpoint import load_checkpoint, save_checkpoint
+from p2p_diloco.compression import roundtrip
 from p2p_diloco.config import PeerConfig, SwarmSections
 from p2p_diloco.data import DataPosition, TextData, TrainingStream
 from p2p_diloco.errors import UserError
@@ -45,10 +46,12 @@ from p2p_diloco.inner import InnerTrainer, StepStats, copy_into, host_copies
 from p2p_diloco.members import believed_rounds
 from p2p_diloco.metrics import ProgressBars, Throughput
 from p2p_diloco.model import LoadedModel, export_pretrained
-from p2p_diloco.plan import FINAL_ROUND_SLACK_S, RoundPlan
 from p2p_diloco.ranks import Ranks, ThetaLink, UnitStart, theta_probe
 from p2p_diloco.records import PeerProgress, PendingProgress, Phase, ProgressRecords, in_phase
-from p2p_diloco.rounds import RoundBegin, RoundEnd, RoundEngine, RoundKind, RoundStatus
+from p2p_diloco.rounds.averager import Averager
+from p2p_diloco.rounds.engine import RoundEngine
+from p2p_diloco.rounds.plan import FINAL_ROUND_SLACK_S, RoundPlan
+from p2p_diloco.rounds.results import RoundBegin, RoundEnd, RoundKind, RoundStatus
 from p2p_diloco.state_sync import StateService, SwarmState
 from p2p_diloco.wire import WireCounter
 
@@ -106,7 +109,8 @@ class LearningUnit:
         self.trainer = trainer  # θ is its params; the library API's caller steps its optimizer itself
         self.theta = self.ranks.theta(trainer.params)  # what the round engine reads and writes (ranks.py)
         self.engine = RoundEngine(plan, network.averagers, network.consensus_averagers, local=self.theta,
-                                  sync=ThetaLink(self.ranks, trainer.params))  # fmt: skip
+                                  sync=ThetaLink(self.ranks, trainer.params),
+                                  roundtrip=functools.partial(roundtrip, codec=plan.codec))  # fmt: skip
         self.inner_step = self.tokens = 0
         self.data_position = DataPosition()  # where the unit's data stream starts (join: from its checkpoint)
         self._stream: TrainingStream | None = None
@@ -298,7 +302,7 @@ class LearningUnit:
         return ended
 
     def maybe_begin_round(self) -> bool:
-        """Begin the rounds that are due (rounds.py); True if any began or θ was reset."""
+        """Begin the rounds that are due (rounds/engine.py); True if any began or θ was reset."""
         begins = self.engine.begin_due(self.throughput.step_time_s, get_dht_time())
         for begin in begins:
             self._began(begin)
@@ -510,7 +514,7 @@ class LearningUnit:
             return None
 
     def _settle(self, averager: Averager, not_before: float) -> None:
-        """Settle rounds (rounds.py) with the units leaving at the same time, the first after ``not_before`` (the
+        """Settle rounds (rounds/engine.py) with the units leaving at the same time, the first after ``not_before`` (the
         boundary of the final rounds, whether this unit had one in flight or began one). Units whose final rounds end
         at different times may settle among themselves first, and a contended matchmaking may leave a unit out of a
         round, so the rounds go on until one held every unit finishing at the time (:meth:`_finishing`: units

@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from p2p_diloco.averaging import RoundOutcome, check_round_request
 from p2p_diloco.diloco import probe_drift, weighted_average
 from p2p_diloco.records import PeerProgress, PendingProgress
+from p2p_diloco.rounds.averager import RoundOutcome, check_round_request
 from p2p_diloco.state_sync import SwarmState
 
 

@@ -17,12 +17,13 @@ import torch
 from swarms import record_peers
 
 from p2p_diloco import reducer
-from p2p_diloco.averaging import STUCK_MARGIN_S, TENSOR_LOCK_WAIT_S, OuterAverager, RoundOutcome
+from p2p_diloco.averaging import STUCK_MARGIN_S, TENSOR_LOCK_WAIT_S, OuterAverager
 from p2p_diloco.dht import stop_dht
 from p2p_diloco.gated import MAX_OFFENCES, OFFENCE_WINDOW, GatedAverager
 from p2p_diloco.membership import MemberGate
 from p2p_diloco.reducer import OFFENCE_RELATIVE, SenderVerdict
 from p2p_diloco.robust import BoundedMean, bounded_mean
+from p2p_diloco.rounds.averager import RoundOutcome
 
 STALL_S = 8.0  # longer than the all-reduce timeout of the stalling test (4 s)
 

@@ -1,4 +1,4 @@
-"""The swarm clock (clock.py) and the round engine on the clock schedule and at exit (rounds.py), against fakes."""
+"""The swarm clock (rounds/clock.py) and the round engine on the clock schedule and at exit, against fakes."""
 
 from __future__ import annotations
 
@@ -8,10 +8,11 @@ import pytest
 import torch
 from fakes import FakeGroup, TimedGroup
 
-from p2p_diloco.clock import RoundClock, next_boundary, power_of_two_period
 from p2p_diloco.config import OuterSection
-from p2p_diloco.plan import RoundPlan
-from p2p_diloco.rounds import RoundEnd, RoundEngine, RoundKind, RoundStatus
+from p2p_diloco.rounds.clock import RoundClock, next_boundary, power_of_two_period
+from p2p_diloco.rounds.engine import RoundEngine
+from p2p_diloco.rounds.plan import RoundPlan
+from p2p_diloco.rounds.results import RoundEnd, RoundKind, RoundStatus
 
 SHAPES = [(8, 4), (4,)]
 TOKENS = 10

@@ -14,7 +14,7 @@ from bench.memory_inventory import as_json, forked_children, inventory, predicte
 from bench.memory_report import markdown
 from bench.process_memory import ProcessSample, sample_tree
 from p2p_diloco.config import OuterSection
-from p2p_diloco.plan import RoundPlan
+from p2p_diloco.rounds.plan import RoundPlan
 
 SHAPES = [(64, 16), (16,)]
 

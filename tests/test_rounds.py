@@ -1,10 +1,13 @@
-"""The outer round's home (p2p_diloco/rounds.py): the plan derived from [outer], the key schema (which settings make
+"""The outer round's home (p2p_diloco/rounds): the plan derived from [outer], the key schema (which settings make
 units meet and share state, also on a real hivemind DHT), and the engine's typed results against in-memory fakes."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import hivemind
@@ -13,11 +16,13 @@ import torch
 from fakes import FakeGroup, FaultPlan
 from swarms import record_peers
 
+import p2p_diloco.rounds
 from p2p_diloco.averaging import OuterAverager
 from p2p_diloco.config import ConfigError, OuterSection
-from p2p_diloco.plan import RoundPlan
 from p2p_diloco.records import SwarmRecords
-from p2p_diloco.rounds import RoundEngine, RoundKind, RoundStatus
+from p2p_diloco.rounds.engine import RoundEngine
+from p2p_diloco.rounds.plan import RoundPlan
+from p2p_diloco.rounds.results import RoundKind, RoundStatus
 from p2p_diloco.state_sync import StateServer, SwarmState
 from p2p_diloco.streaming import Payload
 
@@ -366,3 +371,16 @@ def test_on_a_real_dht_units_meet_only_when_their_round_settings_match(
         for pair in pairs:
             for member in pair:
                 member.shutdown()
+
+
+# ------------------------------------------------------------------------------------------------ torch only
+def test_the_round_machinery_imports_neither_hivemind_nor_transformers() -> None:
+    """The rounds package and the algorithm it runs are torch only: a fresh interpreter that imports every module of
+    them has neither hivemind nor transformers loaded."""
+    package = Path(p2p_diloco.rounds.__file__).parent
+    modules = [f"p2p_diloco.rounds.{path.stem}" for path in sorted(package.glob("*.py")) if path.stem != "__init__"]
+    modules += ["p2p_diloco.diloco", "p2p_diloco.fragments", "p2p_diloco.streaming", "p2p_diloco.robust"]
+    script = f"import sys\nfor name in {modules!r}:\n    __import__(name)\n"
+    script += "print(sorted(name for name in ('hivemind', 'transformers') if name in sys.modules))"
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
+    assert len(modules) >= 9 and result.stdout.strip() == "[]", result.stdout + result.stderr

@@ -141,7 +141,7 @@ def test_a_lone_donor_is_taken_and_a_state_unlike_its_declaration_is_not(
 
 
 def test_units_at_momentum_zero_serve_phi_alone_and_a_unit_with_momentum_takes_it(caplog) -> None:
-    """A unit at outer momentum 0 keeps no momentum (rounds.py) and serves [φ, counters]; two such donors corroborate
+    """A unit at outer momentum 0 keeps no momentum and serves [φ, counters]; two such donors corroborate
     each other, and a joiner that keeps a momentum takes their φ with none (its engine starts m at zero)."""
     with record_peers(3) as peers:
         template = [torch.zeros(s) for s in SHAPES]

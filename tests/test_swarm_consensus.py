@@ -1,6 +1,6 @@
 """One model from a swarm whose groups cannot hold everyone: 6 units with target group size 2 on 127.0.0.1 train,
 then leave together, one of them held up at exit (its main process stopped, once it announced that it finishes, for
-longer than the others' --settle-rounds take); their settle rounds at exit (rounds.py) must make them leave as one
+longer than the others' --settle-rounds take); their settle rounds at exit must make them leave as one
 model. (Freezing its whole process tree instead once timed torch's shared memory manager out: unit.py's settle
 averager start.)
 

@@ -17,8 +17,7 @@ from p2p_diloco.config import PeerConfig, load_config
 from p2p_diloco.data import load_text_data, shard_seed
 from p2p_diloco.events import E, read_events
 from p2p_diloco.metrics import MetricsLog
-from p2p_diloco.model import load_model
-from p2p_diloco.plan import RoundPlan
+from p2p_diloco.model import load_model, round_plan
 from p2p_diloco.presets import CORPUS, TINY_MODEL
 from p2p_diloco.state_sync import SwarmState
 from p2p_diloco.unit import LearningUnit, UnitNetwork
@@ -89,7 +88,7 @@ def make_peer(tmp_path: Path) -> Iterator[PeerFactory]:
         loaded = load_model(config.model)  # same seed ⇒ same initial weights on every unit
         data = load_text_data(config.data, loaded.tokenizer, shard_seed(config.model.seed, name))
         trained = [param for param in loaded.model.parameters() if param.requires_grad]
-        plan = RoundPlan.for_model(config.outer, loaded.model, trained)
+        plan = round_plan(config.outer, loaded.model, trained)
         groups = [group] if isinstance(group, FakeGroup) else list(group)
         averagers = [g.averager(t, name) for g, t in zip(groups, plan.round_templates(trained), strict=True)]
         templates = plan.consensus_templates() if consensus_groups else []

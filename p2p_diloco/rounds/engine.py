@@ -59,19 +59,15 @@ Failure contract (what each outcome does to φ_p, m_p and θ_p of fragment p; se
 
 from __future__ import annotations
 
-import enum
-import functools
 import logging
 import math
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import torch
 
-from p2p_diloco.clock import next_boundary
-from p2p_diloco.compression import ErrorFeedback, roundtrip
 from p2p_diloco.diloco import (
     all_finite,
     consensus_probe,
@@ -80,11 +76,18 @@ from p2p_diloco.diloco import (
     merge_local_progress,
 )
 from p2p_diloco.fragments import Fragment, assign, copies, due_fragments, views
-from p2p_diloco.plan import FINAL_ROUND_SLACK_S, RoundPlan
-from p2p_diloco.streaming import FragmentRounds, SentRound, consensus_correction, consensus_payload
-
-if TYPE_CHECKING:
-    from p2p_diloco.averaging import Averager, RoundOutcome
+from p2p_diloco.rounds.averager import Averager, RoundOutcome
+from p2p_diloco.rounds.clock import next_boundary
+from p2p_diloco.rounds.plan import FINAL_ROUND_SLACK_S, RoundPlan
+from p2p_diloco.rounds.results import MERGES, RoundBegin, RoundEnd, RoundKind, RoundStatus
+from p2p_diloco.streaming import (
+    ErrorFeedback,
+    FragmentRounds,
+    Roundtrip,
+    SentRound,
+    consensus_correction,
+    consensus_payload,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -97,29 +100,6 @@ BUSY_DECAY = 0.1  # how fast the measured busy time of a round comes down again
 MAX_STEP_RATIO = 30.0
 
 
-# ---------------------------------------------------------------------------------------------------- results
-class RoundKind(enum.Enum):
-    FRAGMENT = "fragment"
-    CONSENSUS = "consensus"
-    SETTLE = "settle"
-    MIX = "mix"
-
-
-class RoundStatus(enum.Enum):
-    """What became of a round (the module docstring says what each does to φ, m and θ)."""
-
-    BEGUN = "begun"
-    DEFERRED = "deferred"
-    RESET = "reset"
-    MERGED = "merged"
-    ALONE = "alone"
-    FAILED = "failed"
-    REJECTED = "rejected"
-
-
-MERGES = (RoundStatus.MERGED, RoundStatus.ALONE)  # the outcomes that changed φ
-
-
 @dataclass(frozen=True)
 class MixDue:
     """A fragment's mix round to begin: at ``boundary``, in ``subgroup``, carrying ``weight``."""
@@ -127,42 +107,6 @@ class MixDue:
     boundary: float
     subgroup: str
     weight: float
-
-
-@dataclass(frozen=True)
-class RoundBegin:
-    """A round that was due: ``BEGUN`` (in flight now), ``DEFERRED`` or ``RESET`` (every fragment starts over)."""
-
-    kind: RoundKind
-    fragment: int
-    status: RoundStatus
-    outer_round: int  # the fragment's round
-    window_s: float = 0.0  # BEGUN: its matchmaking window
-    weight: int = 0  # BEGUN fragment round: the tokens it carries
-
-
-@dataclass(frozen=True)
-class RoundEnd:
-    """A round that ended: ``MERGED``, ``ALONE``, ``FAILED`` or ``REJECTED``."""
-
-    kind: RoundKind
-    fragment: int
-    status: RoundStatus
-    outer_round: int  # the fragment's round after it
-    unit_outer_round: int  # the unit's (its smallest fragment round) after it
-    advanced: bool  # the unit's outer round went up: the time for its once-per-period I/O
-    group_size: int
-    member_drift: float
-    seconds: float
-    weight: int  # fragment round: the tokens it carried
-    overlap_steps: int  # inner steps taken while it was in flight
-    useful_compute_s: float  # merged fragment round: compute of the steps it merged (the fragment's share)
-    useful_tokens: int
-    error: str | None
-
-    @property
-    def merged(self) -> bool:
-        return self.status in MERGES
 
 
 class LocalSync(Protocol):
@@ -193,8 +137,9 @@ class RoundEngine:
     ``averagers`` has one averager per fragment of ``plan``; ``consensus_averagers`` one more per fragment exactly
     when ``plan.consensus``. ``local`` are the trained tensors θ: read when a round is sent, written when it merges
     (``sync`` is told before each read and after each write, when ``local`` is a copy of θ kept elsewhere).
-    φ starts as a copy of θ and m at zero (or as none, at momentum 0). Raises ValueError when the averagers do not
-    match the plan.
+    ``roundtrip`` is what the receivers decode of a tensor the fragment averagers send (their codec's round trip),
+    needed for error feedback. φ starts as a copy of θ and m at zero (or as none, at momentum 0). Raises ValueError
+    when the averagers do not match the plan, or without ``roundtrip`` for a plan with error feedback.
     """
 
     def __init__(
@@ -205,12 +150,15 @@ class RoundEngine:
         *,
         local: Sequence[torch.Tensor],
         sync: LocalSync = _InPlace(),
+        roundtrip: Roundtrip | None = None,
     ):
         count = len(plan.fragments)
         if len(averagers) != count or len(consensus_averagers) != (count if plan.consensus else 0):
             raise ValueError(f"a plan of {count} fragments (consensus: {plan.consensus}) got {len(averagers)} "
                              f"averagers and {len(consensus_averagers)} consensus averagers")  # fmt: skip
-        self.plan = plan
+        if plan.error_feedback and roundtrip is None:
+            raise ValueError("error feedback needs the codec's round trip")
+        self.plan, self.roundtrip = plan, roundtrip
         self.averagers, self.consensus_averagers = list(averagers), list(consensus_averagers)
         self.local, self.sync = list(local), sync
         self.global_params: Tensors = [tensor.detach().to(device="cpu", dtype=torch.float32, copy=True)
@@ -241,7 +189,7 @@ class RoundEngine:
             share,
             self.plan.payload,
             error_feedback=ErrorFeedback() if feedback else None,
-            roundtrip=functools.partial(roundtrip, codec=self.plan.codec) if feedback else None,
+            roundtrip=self.roundtrip if feedback else None,
             radial=self.plan.radial(fragment),
         )
 

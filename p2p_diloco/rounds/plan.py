@@ -1,5 +1,5 @@
 """The plan of a unit's outer rounds (:class:`RoundPlan`, derived once from ``[outer]``: its only reader) and where
-units meet and share state (:class:`KeySchema`). The round engine (rounds.py) runs the plan."""
+units meet and share state (:class:`KeySchema`). The round engine (engine.py) runs the plan."""
 
 from __future__ import annotations
 
@@ -9,16 +9,14 @@ from dataclasses import dataclass
 
 import torch
 
-from p2p_diloco.clock import RoundClock
-from p2p_diloco.compression import Codec
-from p2p_diloco.config import ConfigError, OuterSection, Schedule
+from p2p_diloco.config import Codec, ConfigError, OuterSection, Schedule
 from p2p_diloco.diloco import OuterHyperparams
 from p2p_diloco.fragments import Fragment, partition, views
-from p2p_diloco.model import embedding_indices
+from p2p_diloco.rounds.clock import RoundClock
 from p2p_diloco.streaming import Payload
 
 Tensors = list[torch.Tensor]
-FINAL_ROUND_SLACK_S = 1.0  # matchmaking may run this long past the window (averaging.py)
+FINAL_ROUND_SLACK_S = 1.0  # matchmaking may run this long past the window (averaging.py OuterAverager)
 
 
 @dataclass(frozen=True)
@@ -130,11 +128,6 @@ class RoundPlan:
             mean_merged=frozenset(embeddings) if outer.merge == "rda" else None,
         )
 
-    @classmethod
-    def for_model(cls, outer: OuterSection, model: torch.nn.Module, trained: Sequence[torch.Tensor]) -> RoundPlan:
-        """:meth:`from_config` for ``trained``, the parameters of ``model`` that a unit trains."""
-        return cls.from_config(outer, [tensor.shape for tensor in trained], embedding_indices(model, trained))
-
     @property
     def consensus(self) -> bool:
         """Whether consensus rounds run (one more averager per fragment)."""
@@ -142,7 +135,7 @@ class RoundPlan:
 
     @property
     def keeps_momentum(self) -> bool:
-        """Whether units keep an outer momentum m: at momentum 0 it would never be read, so none exists (rounds.py)."""
+        """Whether units keep an outer momentum m: at momentum 0 it would never be read, so none exists."""
         return self.hyper.momentum > 0
 
     @property

@@ -59,7 +59,7 @@ class RoundClock:
     fragments: int
     min_window_s: float
     min_period_s: float
-    rounds_per_period: int = 1  # 2 when a mix stage follows each round half a period later (rounds.py)
+    rounds_per_period: int = 1  # 2 when a mix stage follows each round half a period later (engine.py)
     desired_s: float | None = None  # this unit's own period; None until a step time was measured
     adopted_s: float = 0.0  # the largest period wanted by the members of its last merged round
     rng: random.Random = field(default_factory=random.Random, repr=False)
