@@ -20,7 +20,7 @@ A joiner trusts no single donor (:meth:`StateServer.download`):
 
 Wire layout of a state: ``[*global_params, *momentum, counters]`` where ``counters`` is a float64 tensor
 ``[format, inner_step, tokens, *fragment_rounds]`` (one outer round per streaming fragment); a unit at outer momentum 0
-keeps no momentum and serves ``[*global_params, counters]``; A joiner takes either layout: a unit that
+keeps no momentum and serves ``[*global_params, counters]``; a joiner takes either layout: a unit that
 keeps a momentum starts from zeros when the state has none, one that keeps none drops what it got.
 
 A download serves one publication whole: :class:`_SnapshotAverager` hands hivemind a copy of the state taken under

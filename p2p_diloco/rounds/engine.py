@@ -47,7 +47,7 @@ Failure contract (what each outcome does to φ_p, m_p and θ_p of fragment p; se
   caller resets its inner optimizer; the steps since the last merge are lost.
 * A consensus round (lossy codecs) adds (group mean − sent φ_p) to φ_p and θ_p when a group of two or more members
   agreeing on the fragment returned a finite mean (``MERGED``); otherwise it changes nothing. A mix round (``MIX``)
-  does the same with (φ_p, m_p): φ_p and m_p become the mean, θ_p moves by φ_p's change; the round number stays.
+  does the same with φ_p, and m_p becomes the mean's; the round number stays.
 * At exit, :meth:`RoundEngine.drain` waits a bounded time; a round still running is cancelled and carried like a
   failed one (its progress stays in θ and in the checkpoint).
 * A settle round (``SETTLE``, at exit, after the final rounds) averages the whole φ in fp32, with equal weights, among
@@ -75,7 +75,7 @@ from p2p_diloco.diloco import (
     distance,
     merge_local_progress,
 )
-from p2p_diloco.fragments import Fragment, assign, copies, due_fragments, views
+from p2p_diloco.fragments import Fragment, assign, copies, due_fragments, partition, views
 from p2p_diloco.rounds.averager import Averager, RoundOutcome
 from p2p_diloco.rounds.clock import next_boundary
 from p2p_diloco.rounds.plan import FINAL_ROUND_SLACK_S, RoundPlan
@@ -170,6 +170,7 @@ class RoundEngine:
         self.consensus_due: list[int] = []  # fragments waiting for a consensus round, oldest first
         self.consensus_sent: dict[int, torch.Tensor] = {}  # fragment → payload of its consensus round in flight
         self.settle_sent: torch.Tensor | None = None  # φ flat, of the settle round in flight
+        self.whole = partition([tensor.shape for tensor in self.global_params], 1)[0]  # the model as one fragment
         self.settle_probe_indices = consensus_probe_indices(self.global_params)
         self.steps = 0  # inner steps recorded (the clock of overlaps)
         self.step_tokens = 0  # tokens of the last inner step (how many steps a round's tokens stand for)
@@ -435,17 +436,7 @@ class RoundEngine:
                 status = RoundStatus.REJECTED
         if status is RoundStatus.MERGED:
             assert outcome.averaged is not None
-            shift = outcome.averaged[0] - sent
-            everything = range(len(self.local))
-            self.sync.fetch(everything)
-            for tensors in (self.global_params, self.local):
-                offset = 0
-                with torch.no_grad():
-                    for tensor in tensors:
-                        piece = shift[offset : offset + tensor.numel()].view_as(tensor)
-                        tensor.add_(piece.to(device=tensor.device, dtype=tensor.dtype))
-                        offset += tensor.numel()
-            self.sync.store(everything)
+            self._shift(self.whole, consensus_correction(outcome.averaged[0], sent, self.whole, self.global_params))
         return self._consensus_end(0, RoundKind.SETTLE, status, outcome)
 
     @property
@@ -565,7 +556,7 @@ class RoundEngine:
                                           max(outcome.total_weight, 1.0))  # fmt: skip
 
     def _end_mix(self, rounds: FragmentRounds, outcome: RoundOutcome) -> RoundEnd:
-        """(φ_p, m_p) ← the mix group's mean when it is usable; θ_p moves by φ_p's change."""
+        """φ_p and θ_p move by (mix group's mean − sent φ_p), m_p ← the mean's, when it is usable."""
         number = rounds.fragment.number
         sent = self.mix_sent.pop(number)
         status = _status(outcome, check_tags=True)
@@ -574,9 +565,7 @@ class RoundEngine:
         if status is RoundStatus.MERGED and not _plausible_step(what, distance(phi, sent_phi), rounds.last_step_scale):
             status = RoundStatus.REJECTED
         if status is RoundStatus.MERGED:
-            moved = [now + (new - old) for now, new, old in zip(self._read_local(rounds.fragment), phi, sent_phi)]
-            assign(self.global_params, rounds.fragment, phi)
-            self._write_local(rounds.fragment, moved)
+            self._shift(rounds.fragment, [new - old for new, old in zip(phi, sent_phi)])
             if moment:
                 assign(self.momentum, rounds.fragment, moment)
         return self._consensus_end(number, RoundKind.MIX, status, outcome)
@@ -623,11 +612,16 @@ class RoundEngine:
         if status is RoundStatus.MERGED:
             assert outcome.averaged is not None
             fragment = rounds.fragment
-            fix = consensus_correction(outcome.averaged[0], sent, fragment, self.global_params)
-            phi = [now + delta for now, delta in zip(copies(self.global_params, fragment), fix)]
-            assign(self.global_params, fragment, phi)
-            self._write_local(fragment, [now + delta for now, delta in zip(self._read_local(fragment), fix)])
+            self._shift(fragment, consensus_correction(outcome.averaged[0], sent, fragment, self.global_params))
         return self._consensus_end(number, RoundKind.CONSENSUS, status, outcome)
+
+    def _shift(self, fragment: Fragment, delta: Sequence[torch.Tensor]) -> None:
+        """Add ``delta`` (shaped like the fragment's pieces) to φ's and θ's pieces of ``fragment``: a correction
+        round moves the unit to its group's mean without undoing what merged meanwhile."""
+        assign(
+            self.global_params, fragment, [now + step for now, step in zip(copies(self.global_params, fragment), delta)]
+        )
+        self._write_local(fragment, [now + step for now, step in zip(self._read_local(fragment), delta)])
 
     def _read_local(self, fragment: Fragment) -> Tensors:
         """θ's pieces of ``fragment`` (copies), fetched first."""
