@@ -69,16 +69,16 @@ def inventory(plan: RoundPlan, weight_bytes: int = FP32) -> list[Copy]:
              "inner.py:InnerTrainer.train_step (backward; zero_grad(set_to_none) frees them)", bare=True),
         Copy("AdamW exp_avg and exp_avg_sq", "main", "persistent", 2 * weight_bytes,
              "inner.py:InnerTrainer.__init__ (torch.optim.AdamW, allocated at the first step)", bare=True),
-        Copy("φ (global parameters)", "main", "persistent", FP32, "rounds.py:RoundEngine.__init__ (copy of θ)"),
+        Copy("φ (global parameters)", "main", "persistent", FP32, "rounds/state.py:OuterState.__init__ (copy of θ)"),
         Copy("m (outer momentum; none at momentum 0)", "main", "persistent", FP32 * m,
-             "rounds.py:RoundEngine._kept_momentum (zeros_like φ)"),
+             "rounds/state.py:OuterState._kept_momentum (zeros_like φ)"),
         Copy(f"fragment-round averagers' buffers ({plan.payload.copies}× the fragments, P={len(plan.fragments)})",
              "shared memory: main + each averager", "persistent", FP32 * plan.payload.copies,
-             "averaging.py:OuterAverager.__init__ (zeros_like of plan.py:RoundPlan.round_templates; hivemind "
+             "averaging.py:OuterAverager.__init__ (zeros_like of rounds/plan.py:RoundPlan.round_templates; hivemind "
              "DecentralizedAverager.__init__: share_memory_)"),
         Copy("consensus averagers' buffers (φ_p flat per fragment)", "shared memory: main + each consensus averager",
              "persistent", FP32 if plan.consensus else 0.0,
-             "peer.py:run_peer ← plan.py:RoundPlan.consensus_templates (lossy codecs only)"),
+             "peer.py:run_peer ← rounds/plan.py:RoundPlan.consensus_templates (lossy codecs only)"),
         Copy("state server's served copy (φ, and m)", "shared memory: main + the state server", "persistent",
              FP32 * (1 + m), "state_sync.py:StateServer.__init__ (buffers), StateServer.publish (copy_ into them)"),
         Copy("error-feedback residuals", "main", "persistent", FP32 if plan.error_feedback else 0.0,
@@ -87,7 +87,8 @@ def inventory(plan: RoundPlan, weight_bytes: int = FP32) -> list[Copy]:
              f"({children} children: DHT, averagers, state server)", "each forked child", "persistent", 0.0,
              "forking.py:dropped_in_forked_children (malloc_trim before the fork, MADV_DONTNEED in the child) ← "
              "peer.py:unit_in_swarm"),
-        Copy("θ_p at send", "main", "in flight", FP32 * s, "rounds.py:RoundEngine._begin (fragments.py:copies)"),
+        Copy("θ_p at send", "main", "in flight", FP32 * s,
+             "rounds/kinds.py:FragmentRound.begin (rounds/state.py:OuterState.read_local)"),
         Copy("own m'_p (the merge's m without sync_momentum)", "main", "in flight", FP32 * s * m * own_momentum,
              "streaming.py:FragmentRounds.payload, held by streaming.py:SentRound.momentum_proposal (the payload "
              "itself is only in the averager's buffer: an alone round reads it back, averaging.py:"
@@ -102,19 +103,20 @@ def inventory(plan: RoundPlan, weight_bytes: int = FP32) -> list[Copy]:
         Copy("merge: φ_p copy (plausibility check), θ_p copy, merged θ_p" + (", the outer step's φ_p, m_p"
                                                                              if lossy else ""),
              "main", "momentary", FP32 * s * ((4 + m) if lossy else 3),
-             "rounds.py:RoundEngine._end, _merge (diloco.py:merge_local_progress, distance)"),
+             "rounds/kinds.py:FragmentRound.end, _merge (diloco.py:merge_local_progress, distance)"),
         Copy("eval: θ saved while φ is loaded", "main", "momentary", weight_bytes,
              "inner.py:InnerTrainer.parameters_swapped ← unit.py:LearningUnit._evaluate"),
         Copy("checkpoint: θ copy (φ, m, AdamW state by reference; hashed in place; torch.save streams to the page "
              "cache)", "main", "momentary", FP32,
-             "unit.py:LearningUnit.save (inner.py:local_parameters), checkpoint.py:save_checkpoint, payload_digest"),
+             "unit.py:LearningUnit.save (inner.py:host_copies), checkpoint.py:save_checkpoint, payload_digest"),
         Copy("settle averager's buffer (φ flat), on top of the round averagers' (still mapped: the unit keeps them)",
              "shared memory: main + a new child", "exit", FP32,
-             "peer.py:_settle_averager ← rounds.py:RoundEngine.settle_template; unit.py:LearningUnit.finish"),
-        Copy("settle payload (φ flat)", "main", "exit", FP32, "rounds.py:RoundEngine.begin_settle (torch.cat)"),
+             "peer.py:_settle_averager ← rounds/departure.py:Departure._start_settle_averager"),
+        Copy("settle payload (φ flat)", "main", "exit", FP32,
+             "rounds/kinds.py:Settle.payload (streaming.py:flatten_pieces)"),
         Copy("the main process's pages inherited by the settle averager (forked at exit from the whole main "
              "process)", "the settle averager", "exit", 0.0,
-             "forking.py:dropped_in_forked_children ← peer.py:_settle_averager, unit.py:LearningUnit.finish"),
+             "forking.py:dropped_in_forked_children ← peer.py:_settle_averager, rounds/departure.py:Departure.leave"),
         Copy("a round's end: the buffer's clone (the group's average, or alone what was sent; + mean − sent in "
              "consensus and settle rounds)", "main", "momentary", FP32 * s * plan.payload.copies,
              "averaging.py:OuterAverager._buffers ← poll"),

@@ -344,7 +344,7 @@ def _diloco(method: Method, budget: Budget, work_dir: Path) -> MethodResult:
 
 def _drain(units: Sequence[LearningUnit], swarm: LocalSwarm) -> None:
     """Tick without training until no round is in flight."""
-    while any(unit.engine.in_flight() for unit in units):
+    while any(unit.engine.in_flight for unit in units):
         swarm.tick()
         for unit in units:
             unit.poll_round()
@@ -366,7 +366,7 @@ def _local_unit(config: PeerConfig, member: int, swarm: LocalSwarm) -> LearningU
 
 def _evaluate(units: Sequence[LearningUnit]) -> EvalPoint:
     """The eval loss of the units' mean φ, and of each unit's φ (computed once when they all agree)."""
-    phis = [unit.engine.global_params for unit in units]
+    phis = [unit.state.global_params for unit in units]
     mean = [torch.stack(tensors).mean(dim=0) for tensors in zip(*phis)]
     judge = units[0]
     with judge.trainer.parameters_swapped(mean):

@@ -44,6 +44,7 @@ from p2p_diloco.rounds.averager import RoundOutcome, check_round_request
 from p2p_diloco.rounds.engine import RoundEngine
 from p2p_diloco.rounds.plan import RoundPlan
 from p2p_diloco.rounds.results import RoundKind, RoundStatus
+from p2p_diloco.rounds.schedule import ClockSchedule
 
 DIMENSION = 256
 SAMPLED_UNITS = 64  # pairwise distances of larger swarms are measured on this many random units
@@ -206,18 +207,19 @@ class Simulation:
             self.units.append(self._new_unit(0.0, None))
 
     def _new_unit(self, now: float, donor: SimUnit | None) -> SimUnit:
-        local = [(donor.engine.global_params[0] if donor else self.start).clone()]
+        local = [(donor.engine.state.global_params[0] if donor else self.start).clone()]
         averager = SimAverager(self.matchmaker, "round", self.plan.round_templates(local)[0])
         engine = RoundEngine(self.plan, [averager], local=local)
-        if engine.clock is not None:
-            engine.clock.rng = random.Random(self.rng.random())
+        if isinstance(engine.schedule, ClockSchedule):
+            engine.schedule.clock.rng = random.Random(self.rng.random())
         if donor is not None:
-            engine.load_state(donor.engine.global_params, donor.engine.momentum, donor.engine.fragment_rounds())
+            donor_state = donor.engine.state
+            engine.state.load_state(donor_state.global_params, donor_state.momentum, donor_state.fragment_rounds())
         step = self.spec.step_time_s * math.exp(self.rng.gauss(0.0, self.spec.step_spread))
         return SimUnit(engine, averager, step, now + self.rng.uniform(0, step), now)
 
     def _inner_step(self, unit: SimUnit) -> None:
-        theta = unit.engine.local[0]
+        theta = unit.engine.state.local[0]
         scale = self.spec.noise * float(self.target.norm()) / math.sqrt(DIMENSION)
         noise = torch.randn(DIMENSION, generator=self.generator) * scale
         theta.add_(self.spec.pull * (self.target - theta) + noise)
@@ -266,7 +268,7 @@ class Simulation:
     def _sampled_phis(self) -> list[torch.Tensor]:
         """φ of every unit, or of SAMPLED_UNITS random ones in a larger swarm (the pairwise measures' sample)."""
         units = self.units if len(self.units) <= SAMPLED_UNITS else self.rng.sample(self.units, SAMPLED_UNITS)
-        return [unit.engine.global_params[0] for unit in units]
+        return [unit.engine.state.global_params[0] for unit in units]
 
     def _tick(self, unit: SimUnit, now: float, sizes: Counter[int], drifts: list[float], third: list[float]) -> None:
         engine = unit.engine

@@ -8,8 +8,8 @@ by it; then pieces go, largest first, to the lightest fragment.
 
 Schedule: fragment p first syncs after ``H·(p+1)/P`` inner steps, then H steps after its previous round ended, so the
 fragments' rounds are spread over the period and the peak traffic is about 1/P of a full sync. :func:`due_fragments`
-never lets more than ``max_in_flight`` rounds be in flight at once: a due fragment waits (and keeps accumulating
-steps) until a slot frees.
+begins no more rounds than the in-flight bound leaves free: a due fragment waits (and keeps accumulating steps) until a
+slot frees.
 """
 
 from __future__ import annotations
@@ -117,16 +117,10 @@ def first_round_offset(fragment: int, count: int, inner_steps: int) -> int:
     return max(1, round(inner_steps * (fragment + 1) / count))
 
 
-def due_fragments(
-    steps_since_round: Sequence[int], in_flight: Collection[int], inner_steps: int, max_in_flight: int
-) -> list[int]:
-    """Fragments whose round should begin now: at least ``inner_steps`` steps since their last round, not already in
-    flight, most overdue first (ties: lower number), and only as many as keep ``len(in_flight)`` ≤ ``max_in_flight``.
-    ``in_flight`` holds the ids of the rounds in flight: fragment numbers, and any other ids (e.g. other kinds of
-    rounds) that only count toward the bound."""
-    free = max(0, max_in_flight - len(in_flight))
-    waiting = [
-        number for number, steps in enumerate(steps_since_round) if steps >= inner_steps and number not in in_flight
-    ]
+def due_fragments(steps_since_round: Sequence[int], busy: Collection[int], free: int, inner_steps: int) -> list[int]:
+    """Fragments whose round should begin now: at least ``inner_steps`` steps since their last round, not ``busy``
+    (with a round in flight), most overdue first (ties: lower number), and at most ``free`` of them (the slots the
+    in-flight bound leaves)."""
+    waiting = [number for number, steps in enumerate(steps_since_round) if steps >= inner_steps and number not in busy]
     waiting.sort(key=lambda number: (-steps_since_round[number], number))
-    return waiting[:free]
+    return waiting[: max(0, free)]

@@ -22,6 +22,7 @@ from p2p_diloco.data import TextData, load_text_data, shard_seed
 from p2p_diloco.dht import peer_identity, start_dht, stop_dht, visible_multiaddrs
 from p2p_diloco.forking import dropped_in_forked_children, module_tensors
 from p2p_diloco.inner import InnerTrainer
+from p2p_diloco.joining import JoinError
 from p2p_diloco.membership import MemberGate, MembershipError, load_run_access
 from p2p_diloco.metrics import MetricsLog
 from p2p_diloco.model import LoadedModel, load_model, round_plan
@@ -31,7 +32,7 @@ from p2p_diloco.records import SwarmRecords, members_key, record_validators, run
 from p2p_diloco.rounds.plan import KeySchema, RoundPlan
 from p2p_diloco.state_sync import StateServer
 from p2p_diloco.tracking import RoundLines, UnitReport, open_trackers, run_description, write_run_file
-from p2p_diloco.unit import JoinError, LearningUnit, UnitNetwork
+from p2p_diloco.unit import LearningUnit, UnitNetwork
 
 SETTLE_GROUP_SIZE = 256  # the largest target group the configuration allows
 

@@ -15,7 +15,7 @@ import math
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import hivemind
 import pydantic.v1 as pydantic
@@ -24,6 +24,7 @@ from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
 from p2p_diloco.membership import RunAccess, RunRecordValidator
+from p2p_diloco.rounds.departure import Phase
 
 logger = logging.getLogger(__name__)
 
@@ -46,8 +47,6 @@ else:
     _STATE_KEY = pydantic.constr(strict=True, min_length=1, max_length=512)
     _DIGEST = pydantic.constr(strict=True, regex=r"^[0-9a-f]{64}$")
     _ROUNDS = pydantic.conlist(_COUNT, min_items=1, max_items=4096)
-Phase = Literal["training", "finishing", "left"]
-"""Where a unit is in its life, as its progress record says."""
 _FLOAT_FIELDS = ("tokens_per_s", "loss", "last_seen", "useful_compute_s", "allocated_s", "eval_loss")
 
 

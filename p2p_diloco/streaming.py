@@ -7,13 +7,13 @@ Two kinds of payload (:class:`Payload`, chosen by the round plan from the codec,
   pulls the members' global parameters together (see diloco.py).
 * with ``fp16`` / ``int8``, the pseudo-gradient Δ_p, compressed on the wire. Proposals cannot be compressed (φ itself
   would be quantized every round), so each member applies the outer step to the averaged Δ_p with its own φ_p and
-  m_p. With error feedback, what the codec dropped from a unit's Δ_p is added to its next Δ_p. Members' φ_p then drift
-  apart by the codec's error every round (each member adds the reply to its own uncompressed part; measured with
-  int8: a relative distance of 2.8e-2 of the update between two members, fp16: 3.6e-4), and nothing in a Δ round
-  pulls them back (nor after a unit averaged alone), so a consensus round re-averages φ_p in fp32
-  (:func:`consensus_payload`, :func:`consensus_correction`) every few rounds and after any round whose members'
-  probes of φ_p differed by more than a tolerance. The momenta are not re-averaged: their disagreement stays
-  bounded because each round multiplies it by μ < 1.
+  m_p. With error feedback (:class:`ErrorFeedback`), what the codec dropped from a unit's Δ_p is added to its next
+  Δ_p. Members' φ_p then drift apart by the codec's error every round (each member adds the reply to its own
+  uncompressed part; measured with int8: a relative distance of 2.8e-2 of the update between two members, fp16:
+  3.6e-4), and nothing in a Δ round pulls them back (nor after a unit averaged alone), so a consensus round
+  re-averages φ_p in fp32 (:func:`flatten_pieces`) every few rounds and after any round whose members' probes of φ_p
+  differed by more than a tolerance. The momenta are not re-averaged: their disagreement stays bounded because each
+  round multiplies it by μ < 1.
 
 With ``merge = "rda"`` (fp32 only) a proposal payload carries φ_p (and m_p) as they were, each piece's unit direction
 of Δ_p and one vector of the pieces' norms (diloco.py: :func:`radial_parts`); each member then takes the outer step
@@ -68,8 +68,8 @@ class SentRound:
 
 @dataclass
 class FragmentRounds:
-    """Round bookkeeping of one fragment: its outer round, the steps, tokens and compute since its last round, the
-    round in flight, and the error-feedback residual (lossy codecs)."""
+    """Round bookkeeping of one fragment: its outer round, the steps, tokens and compute since its last round, and
+    the error-feedback residual (lossy codecs)."""
 
     fragment: Fragment
     share: float  # the fragment's fraction of all trained elements
@@ -81,7 +81,6 @@ class FragmentRounds:
     steps_since_round: int = 0
     tokens_since_round: int = 0
     compute_since_round: float = 0.0
-    sent: SentRound | None = None
     last_step_scale: float = 0.0  # the step scale of the last round sent (that of a plausible change of φ_p)
 
     def restart_schedule(self, count: int, inner_steps: int) -> None:
@@ -137,17 +136,18 @@ class FragmentRounds:
         return averaged[:count], (averaged[count : 2 * count] if self._synced else [])
 
     def mark_sent(self, payload: Tensors, local_at_send: Tensors, momentum_proposal: Tensors, inner_step: int,
-                  step_scale: float) -> None:  # fmt: skip
-        """The averager took ``payload`` (from :meth:`payload`): the round is in flight, the counters start over, and
-        with error feedback what the codec drops from it becomes the residual. Nothing changes for a payload that was
-        not taken, so it is computed again, from the same residual, at the next attempt."""
+                  step_scale: float) -> SentRound:  # fmt: skip
+        """The averager took ``payload`` (from :meth:`payload`): the round is in flight (returned), the counters start
+        over, and with error feedback what the codec drops from it becomes the residual. Nothing changes for a payload
+        that was not taken, so it is computed again, from the same residual, at the next attempt."""
         if self.error_feedback is not None and self.roundtrip is not None:
             self.error_feedback.update(payload, [self.roundtrip(tensor) for tensor in payload])
-        self.sent = SentRound(local_at_send, momentum_proposal, self.tokens_since_round, self.compute_since_round,
-                              inner_step, step_scale)  # fmt: skip
+        sent = SentRound(local_at_send, momentum_proposal, self.tokens_since_round, self.compute_since_round,
+                         inner_step, step_scale)  # fmt: skip
         self.last_step_scale = step_scale
         self.steps_since_round = self.tokens_since_round = 0
         self.compute_since_round = 0.0
+        return sent
 
     def merged(self, averaged: Tensors, global_params: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor],
                sent: SentRound, hyper: OuterHyperparams) -> tuple[Tensors, Tensors]:  # fmt: skip
@@ -168,21 +168,19 @@ def _momentum_copies(momentum: Sequence[torch.Tensor], fragment: Fragment) -> Te
     return copies(momentum, fragment) if momentum else []
 
 
-def consensus_payload(global_params: Sequence[torch.Tensor], fragment: Fragment) -> torch.Tensor:
-    """φ_p flattened into one fp32 vector of ``fragment.numel`` elements (a consensus round's payload)."""
-    return torch.cat([tensor.reshape(-1) for tensor in copies(global_params, fragment)])
+def flatten_pieces(tensors: Sequence[torch.Tensor], fragment: Fragment) -> torch.Tensor:
+    """The fragment's pieces of ``tensors`` in one flat fp32 vector of ``fragment.numel`` elements (a consensus or
+    settle round's payload)."""
+    return torch.cat([tensor.reshape(-1) for tensor in copies(tensors, fragment)])
 
 
-def consensus_correction(averaged: torch.Tensor, sent: torch.Tensor, fragment: Fragment,
-                         template: Sequence[torch.Tensor]) -> Tensors:  # fmt: skip
-    """φ_p's correction, shaped like the fragment's pieces: group mean minus what this unit sent. Added to the current
-    φ_p and θ_p, it moves the unit to the group's mean without undoing rounds merged meanwhile."""
-    difference = averaged - sent
-    corrections, offset = [], 0
+def unflatten_pieces(flat: torch.Tensor, fragment: Fragment, template: Sequence[torch.Tensor]) -> Tensors:
+    """A vector of :func:`flatten_pieces` back in pieces shaped like the fragment's pieces of ``template``."""
+    pieces, offset = [], 0
     for view in views(template, fragment):
-        corrections.append(difference[offset : offset + view.numel()].reshape(view.shape).clone())
+        pieces.append(flat[offset : offset + view.numel()].reshape(view.shape).clone())
         offset += view.numel()
-    return corrections
+    return pieces
 
 
 class ErrorFeedback:

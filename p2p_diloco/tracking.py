@@ -1,6 +1,7 @@
-"""Where a learning unit's events go besides its ``metrics.jsonl``: one console line per outer round, and the
-trackers of ``--report-to`` (TensorBoard, Weights & Biases); and the run's description (package version, resolved
-configuration, swarm keys), written once into the work dir as ``run.json`` and given to each tracker.
+"""What a learning unit reports: the events of its rounds' results (:func:`round_event`), and where its events go
+besides its ``metrics.jsonl``: one console line per outer round, and the trackers of ``--report-to`` (TensorBoard,
+Weights & Biases); and the run's description (package version, resolved configuration, swarm keys), written once
+into the work dir as ``run.json`` and given to each tracker.
 
 :class:`UnitReport` is what the unit writes its events to (the same ``write``/``close`` as ``MetricsLog``). A tracker
 that fails while the unit trains is dropped with one warning: a dashboard never stops training.
@@ -14,6 +15,7 @@ import logging
 import math
 import os
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any, Protocol
@@ -22,11 +24,57 @@ from p2p_diloco import __version__, events
 from p2p_diloco.checkpoint import atomic_write
 from p2p_diloco.errors import first_line
 from p2p_diloco.metrics import MetricsLog
+from p2p_diloco.rounds.results import RoundBegin, RoundEnd, RoundKind, RoundStatus
 
 RUN_FILE = "run.json"
 TENSORBOARD_DIR = "tensorboard"
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class UnitCounters:
+    """What a unit's round events report besides the round itself, taken when the round began or ended."""
+
+    inner_step: int
+    outer_round: int
+    now: float  # unix seconds
+    period_s: float | None = None  # clock schedule: the unit's round period
+    useful_compute_s: float = 0.0  # the goodput ledger (after a merge)
+    useful_tokens: int = 0
+    goodput: float | None = None
+    wire: Mapping[str, int | None] = field(default_factory=dict)  # when the unit's round advanced: TCP counters
+
+
+def round_event(result: RoundBegin | RoundEnd, unit: UnitCounters) -> events.Event | None:
+    """The metrics event of a round's result (events.py says what each holds); None for a round deferred or a mix
+    round begun."""
+    if isinstance(result, RoundBegin):
+        if result.status is RoundStatus.RESET:
+            return events.LocalReset(outer_round=unit.outer_round, inner_step=unit.inner_step)
+        if result.status is not RoundStatus.BEGUN or result.kind is RoundKind.MIX:
+            return None
+        if result.kind is RoundKind.CONSENSUS:
+            return events.ConsensusBegin(fragment=result.fragment, inner_step=unit.inner_step)
+        return events.OuterRoundBegin(fragment=result.fragment, outer_round=result.outer_round,
+                                      inner_step=unit.inner_step, window_s=result.window_s,
+                                      scheduled_at=unit.now + result.window_s, weight=result.weight,
+                                      period_s=unit.period_s)  # fmt: skip
+    if result.kind is not RoundKind.FRAGMENT:
+        return events.ConsensusRound(kind=result.kind.value, fragment=result.fragment, group_size=result.group_size,
+                                     applied=result.status is RoundStatus.MERGED, member_drift=result.member_drift,
+                                     seconds=result.seconds, error=result.error)  # fmt: skip
+    if not result.merged:
+        status = "rejected" if result.status is RoundStatus.REJECTED else "failed"
+        return events.OuterRoundFailed(status=status, fragment=result.fragment, outer_round=result.outer_round,
+                                       error=result.error)  # fmt: skip
+    return events.OuterRound(
+        status="merged" if result.status is RoundStatus.MERGED else "alone", fragment=result.fragment,
+        outer_round=result.outer_round, unit_outer_round=result.unit_outer_round, group_size=result.group_size,
+        overlap_steps=result.overlap_steps, seconds=result.seconds, weight=result.weight,
+        member_drift=result.member_drift, useful_compute_s=unit.useful_compute_s, useful_tokens=unit.useful_tokens,
+        goodput=unit.goodput, **unit.wire,
+    )  # fmt: skip
 
 
 class Tracker(Protocol):

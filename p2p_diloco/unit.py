@@ -1,6 +1,6 @@
 """One learning unit: the inner loop, join/resume/download, checkpoints, evals, publishing and metrics. Its outer rounds
-(streaming fragments, payloads, merges, consensus rounds and what failures do) are the round engine's (rounds/);
-the unit does the I/O that the engine's results call for.
+(streaming fragments, payloads, merges, consensus rounds and what failures do) are the round engine's (rounds/), and
+so is its exit protocol (rounds/departure.py); the unit does the I/O that their results call for.
 
 Who steps θ: the unit's own trainer on its own data (:meth:`LearningUnit.run`, ``p2p-diloco join``; with several
 ranks, rank 0's unit tells the others what each step did, ranks.py), or the library API's caller, who steps its own
@@ -13,11 +13,7 @@ old, which its next rounds bring back into consensus.
 
 Goodput (goodput.py): the compute of the inner steps a fragment round sends becomes useful, in proportion to the
 fragment's share of the weights, when that round merges; a failed or dropped round carries it into the next one, a
-local reset discards it.
-
-Join rule: if live peers report a later outer round than this unit's local checkpoint (or it has none), the unit
-downloads φ, the outer momentum and the counters from a live peer and trains from φ; otherwise it resumes its
-checkpoint, or starts from the initial weights when the swarm has no state yet.
+local reset discards it. How a unit joins: joining.py.
 """
 
 from __future__ import annotations
@@ -35,24 +31,25 @@ import torch
 from hivemind.utils import get_dht_time
 
 from p2p_diloco import events
-from p2p_diloco.checkpoint import load_checkpoint, save_checkpoint
+from p2p_diloco.checkpoint import save_checkpoint
 from p2p_diloco.compression import roundtrip
 from p2p_diloco.config import PeerConfig, SwarmSections
 from p2p_diloco.data import DataPosition, TextData, TrainingStream
-from p2p_diloco.errors import UserError
 from p2p_diloco.forking import optimizer_tensors
 from p2p_diloco.goodput import LEDGER_FILE, GoodputLedger
 from p2p_diloco.inner import InnerTrainer, StepStats, copy_into, host_copies
-from p2p_diloco.members import believed_rounds
+from p2p_diloco.joining import data_position, download_state, own_checkpoint, swarm_round
 from p2p_diloco.metrics import ProgressBars, Throughput
 from p2p_diloco.model import LoadedModel, export_pretrained
 from p2p_diloco.ranks import Ranks, ThetaLink, UnitStart, theta_probe
-from p2p_diloco.records import PeerProgress, PendingProgress, Phase, ProgressRecords, in_phase
+from p2p_diloco.records import PeerProgress, PendingProgress, ProgressRecords, in_phase
 from p2p_diloco.rounds.averager import Averager
+from p2p_diloco.rounds.departure import Departure, Phase
 from p2p_diloco.rounds.engine import RoundEngine
-from p2p_diloco.rounds.plan import FINAL_ROUND_SLACK_S, RoundPlan
+from p2p_diloco.rounds.plan import RoundPlan
 from p2p_diloco.rounds.results import RoundBegin, RoundEnd, RoundKind, RoundStatus
 from p2p_diloco.state_sync import StateService, SwarmState
+from p2p_diloco.tracking import UnitCounters, round_event
 from p2p_diloco.wire import WireCounter
 
 logger = logging.getLogger(__name__)
@@ -61,11 +58,6 @@ logger = logging.getLogger(__name__)
 # 2 s kept each unit's DHT process at about 0.04 cores (the largest part of its background CPU).
 PROGRESS_EVERY_S = 10.0
 PROGRESS_TTL_S = 30.0
-SETTLED_DRIFT = 1e-6  # every finishing unit in a settle round, this close already: no more settle rounds
-
-
-class JoinError(UserError):
-    """The unit cannot take part in this swarm; the message is one line for the user."""
 
 
 @dataclass
@@ -111,6 +103,7 @@ class LearningUnit:
         self.engine = RoundEngine(plan, network.averagers, network.consensus_averagers, local=self.theta,
                                   sync=ThetaLink(self.ranks, trainer.params),
                                   roundtrip=functools.partial(roundtrip, codec=plan.codec))  # fmt: skip
+        self.state = self.engine.state  # φ, m and the fragments' rounds
         self.inner_step = self.tokens = 0
         self.data_position = DataPosition()  # where the unit's data stream starts (join: from its checkpoint)
         self._stream: TrainingStream | None = None
@@ -142,75 +135,30 @@ class LearningUnit:
 
     # ----------------------------------------------------------------------------------------------- join
     def join(self) -> events.JoinSource:
-        """Take the state to train from (see the module docstring); returns its source. Raises JoinError."""
-        checkpoint = load_checkpoint(self.checkpoint_path)
-        if checkpoint is not None and checkpoint.get("model_fingerprint") != self.loaded.fingerprint:
-            raise JoinError(f"{self.checkpoint_path} holds a checkpoint of another model; use another --work-dir")
+        """Take the state to train from by the join rule (joining.py); returns its source. Raises JoinError."""
+        checkpoint = own_checkpoint(self.checkpoint_path, self.loaded.fingerprint)
         local_round = int(checkpoint["outer_round"]) if checkpoint is not None else -1
-        self.data_position = self._data_position(checkpoint)
-        records = self.network.records.read_progress()
-        claims = {peer: record.outer_round for peer, record in records.items() if peer != self.network.peer_id}
-        swarm_round = max(believed_rounds(claims).values(), default=-1)
-        if swarm_round > max(local_round, 0):
-            state = self._download(swarm_round)
-            self.engine.load_state(state.global_params, state.momentum, state.fragment_rounds)
-            self._load_theta(self.engine.global_params)
-            source: events.JoinSource = "swarm"
+        self.data_position = data_position(checkpoint, self.data)
+        claimed = swarm_round(self.network.records.read_progress(), self.network.peer_id)
+        source: events.JoinSource = "initial weights"
+        if claimed > max(local_round, 0):
+            network = self.config.network
+            state = download_state(self.network.state_server, claimed, network.join_timeout_s, self.metrics)
+            self.state.load_state(state.global_params, state.momentum, state.fragment_rounds)
+            copy_into(self.theta, self.state.global_params)
+            source = "swarm"
         elif checkpoint is not None:
-            self._resume(checkpoint)
+            rounds = checkpoint.get("fragment_rounds", [int(checkpoint["outer_round"])])
+            self.state.load_state(checkpoint["global_params"], checkpoint["momentum"], rounds)
+            copy_into(self.theta, checkpoint["local_params"])
+            self.ranks.load_inner_state(self.trainer, checkpoint["inner"])
+            self.inner_step, self.tokens = int(checkpoint["inner_step"]), int(checkpoint["tokens"])
             source = "checkpoint"
-        else:
-            source = "initial weights"
         self._publish_state()
-        start = UnitStart(self.network.peer_id, self.inner_step, self.trainer.state_dict())
-        self.ranks.share_start(self.trainer, start)
+        self.ranks.share_start(self.trainer, UnitStart(self.network.peer_id, self.inner_step,
+                                                       self.trainer.state_dict()))  # fmt: skip
         self._write_replica_probe()
         return source
-
-    def _data_position(self, checkpoint: dict | None) -> DataPosition:
-        """Where the checkpoint's data stream was, if it was this unit's stream (the same shard seed: the same peer
-        identity and seed), whatever state the unit then takes: the data it trained on stays trained on."""
-        saved = checkpoint.get("data") if checkpoint is not None else None
-        if self.data is None or not isinstance(saved, dict) or saved.get("shard_seed") != self.data.shard_seed:
-            return DataPosition()
-        try:
-            position = DataPosition.from_dict({key: saved.get(key) for key in ("epoch", "documents")})
-        except ValueError as error:
-            logger.warning("the checkpoint's data position is unreadable, the data starts afresh: %s", error)
-            return DataPosition()
-        logger.info("data resumes at epoch %d after %d documents", position.epoch, position.documents)
-        return position
-
-    def _download(self, swarm_round: int) -> SwarmState:
-        """The swarm's state from a live peer, retried until ``join_timeout_s``. Raises JoinError."""
-        started = time.monotonic()
-        deadline = started + self.config.network.join_timeout_s
-        while time.monotonic() < deadline:
-            state = self.network.state_server.download(timeout_s=max(1.0, deadline - time.monotonic()))
-            if state is not None:
-                seconds = time.monotonic() - started
-                self.metrics.write(
-                    events.StateDownload(
-                        seconds=seconds,
-                        outer_round=state.outer_round,
-                        donor_inner_step=state.inner_step,
-                        donor_tokens=state.tokens,
-                    )
-                )
-                logger.info("downloaded swarm state: outer_round=%d seconds=%.2f", state.outer_round, seconds)
-                return state
-            time.sleep(0.5)
-        raise JoinError(
-            f"the swarm is at outer round {swarm_round} but no live peer served its state within "
-            f"{self.config.network.join_timeout_s:.0f} s"
-        )
-
-    def _resume(self, checkpoint: dict) -> None:
-        rounds = checkpoint.get("fragment_rounds", [int(checkpoint["outer_round"])])
-        self.engine.load_state(checkpoint["global_params"], checkpoint["momentum"], rounds)
-        self._load_theta(checkpoint["local_params"])
-        self.ranks.load_inner_state(self.trainer, checkpoint["inner"])
-        self.inner_step, self.tokens = int(checkpoint["inner_step"]), int(checkpoint["tokens"])
 
     # ----------------------------------------------------------------------------------------- training
     def run(self, stop: threading.Event) -> None:
@@ -247,17 +195,13 @@ class LearningUnit:
             self._progress.outer_round(self.outer_round, fragments[-1].group_size, self.last_eval)
         self.maybe_begin_round()
         if time.monotonic() - self._last_progress >= PROGRESS_EVERY_S:
-            self._publish_progress()
+            self.publish("training", wait=False)
             self._census_read = self._census_read or self.network.records.read_progress_soon()
             self._last_progress = time.monotonic()
         if self._census_read is not None and (live := self._census_read.poll()) is not None:
             self._census_read = None
-            if live:  # an empty or failed read keeps the last census
-                self.engine.swarm_size = self._census(live, "training", "finishing")
-
-    def _load_theta(self, values: Sequence[torch.Tensor]) -> None:
-        """``values`` into θ (the other ranks get it at the start)."""
-        copy_into(self.theta, values)
+            if live:  # an empty or failed read keeps the last census; the unit counts itself
+                self.engine.swarm_size = len(set(in_phase(live, "training", "finishing")) | {self.network.peer_id})
 
     def _write_replica_probe(self) -> None:
         """θ at the probe coordinates, which each replica writes after θ was shared (ranks.py)."""
@@ -298,69 +242,60 @@ class LearningUnit:
         """Merge every round that ended (never waits) and do what each calls for; returns them."""
         ended = self.engine.poll()
         for end in ended:
-            self._ended(end)
+            self.ended(end)
         return ended
 
     def maybe_begin_round(self) -> bool:
         """Begin the rounds that are due (rounds/engine.py); True if any began or θ was reset."""
         begins = self.engine.begin_due(self.throughput.step_time_s, get_dht_time())
         for begin in begins:
-            self._began(begin)
+            self.began(begin)
         return any(begin.status in (RoundStatus.BEGUN, RoundStatus.RESET) for begin in begins)
 
-    def _began(self, begin: RoundBegin) -> None:
-        if begin.status is RoundStatus.RESET:  # the engine put θ back to φ: its moments are meaningless now
+    # --------------------------------------------------------------------------------------- round I/O
+    def began(self, begin: RoundBegin) -> None:
+        """Report a round that was due (a RESET put θ back to φ: the inner optimizer's moments are meaningless)."""
+        if begin.status is RoundStatus.RESET:
             self.ranks.reset_moments(self.trainer)
-            self.metrics.write(events.LocalReset(outer_round=self.outer_round, inner_step=self.inner_step))
-        elif begin.status is RoundStatus.BEGUN and begin.kind is RoundKind.FRAGMENT:
-            self.metrics.write(events.OuterRoundBegin(
-                fragment=begin.fragment, outer_round=begin.outer_round, inner_step=self.inner_step,
-                window_s=begin.window_s, scheduled_at=time.time() + begin.window_s, weight=begin.weight,
-                period_s=self.engine.clock.period_s if self.engine.clock else None,
-            ))  # fmt: skip
-        elif begin.status is RoundStatus.BEGUN and begin.kind is RoundKind.CONSENSUS:
-            self.metrics.write(events.ConsensusBegin(fragment=begin.fragment, inner_step=self.inner_step))
+        self._report(begin)
 
-    def _ended(self, end: RoundEnd) -> None:
-        if end.kind in (RoundKind.CONSENSUS, RoundKind.SETTLE, RoundKind.MIX):
-            applied = end.status is RoundStatus.MERGED
-            self.metrics.write(events.ConsensusRound(
-                kind=end.kind.value, fragment=end.fragment,
-                group_size=end.group_size, applied=applied, member_drift=end.member_drift, seconds=end.seconds,
-                error=end.error,
-            ))  # fmt: skip
-            if applied:
-                self._write_probe()
-        elif not end.merged:
-            status = "rejected" if end.status is RoundStatus.REJECTED else "failed"
-            self.metrics.write(events.OuterRoundFailed(status=status, fragment=end.fragment,
-                                                       outer_round=end.outer_round, error=end.error))  # fmt: skip
-        else:
-            self._merged(end)
+    def ended(self, end: RoundEnd) -> None:
+        """Do what a round that ended calls for: goodput and, once per period (the unit's round advanced), the costly
+        I/O for a merged fragment round; its event; a probe whenever φ changed."""
+        merged = end.kind is RoundKind.FRAGMENT and end.merged
+        if merged:
+            self.last_group_size = end.group_size
+            self.ledger.record_merge(end.useful_compute_s, end.useful_tokens)
+            if end.advanced:
+                self.ledger.save(self.ledger_path)
+                self._publish_state()
+                self.network.records.refresh_model_fingerprint(self.loaded.fingerprint)
+                self.network.records.publish_membership()
+        self._report(end, wire=merged and end.advanced)
+        if merged or (end.kind is not RoundKind.FRAGMENT and end.status is RoundStatus.MERGED):
+            self._write_probe()
+        if merged and end.advanced:
+            self._periodic_io()
 
-    def _merged(self, end: RoundEnd) -> None:
-        """A merged fragment round: goodput, and once per period (the unit's round advanced) the costly I/O."""
-        self.last_group_size = end.group_size
-        self.ledger.record_merge(end.useful_compute_s, end.useful_tokens)
-        if end.advanced:
-            self.ledger.save(self.ledger_path)
-            self._publish_state()
-            self.network.records.refresh_model_fingerprint(self.loaded.fingerprint)
-            self.network.records.publish_membership()
-        self.metrics.write(events.OuterRound(
-            status="merged" if end.status is RoundStatus.MERGED else "alone", fragment=end.fragment,
-            outer_round=end.outer_round, unit_outer_round=end.unit_outer_round, group_size=end.group_size,
-            overlap_steps=end.overlap_steps, seconds=end.seconds, weight=end.weight, member_drift=end.member_drift,
-            useful_compute_s=self.ledger.useful_compute_s, useful_tokens=self.ledger.useful_tokens,
-            goodput=self.ledger.goodput(time.time()), **(self._wire_fields() if end.advanced else {}),
-        ))  # fmt: skip
-        self._write_probe()
-        if end.advanced and self.outer_round % self.config.run.eval_every_rounds == 0:
+    def _report(self, result: RoundBegin | RoundEnd, wire: bool = False) -> None:
+        """The event of ``result`` (tracking.py ``round_event``) with this unit's counters."""
+        ledger, now = self.ledger, time.time()
+        counters = UnitCounters(self.inner_step, self.outer_round, now, self.engine.schedule.period_s,
+                                ledger.useful_compute_s, ledger.useful_tokens, ledger.goodput(now),
+                                self._wire_fields() if wire else {})  # fmt: skip
+        event = round_event(result, counters)
+        if event is not None:
+            self.metrics.write(event)
+
+    def _periodic_io(self) -> None:
+        """Once the unit's round advanced: the evals, checkpoints and exports whose period came."""
+        run, outer_round = self.config.run, self.outer_round
+        if outer_round % run.eval_every_rounds == 0:
             self._evaluate("outer_round")
-        if end.advanced and self.outer_round % self.config.run.checkpoint_every_rounds == 0:
+        if outer_round % run.checkpoint_every_rounds == 0:
             self.save()
-        export_every, save_dir = self.config.run.export_every_rounds, self.config.run.save_dir
-        if end.advanced and export_every is not None and save_dir is not None and self.outer_round % export_every == 0:
+        export_every, save_dir = run.export_every_rounds, run.save_dir
+        if export_every is not None and save_dir is not None and outer_round % export_every == 0:
             self._export(Path(save_dir))
 
     # ------------------------------------------------------------------------------------ reporting, io
@@ -370,117 +305,59 @@ class LearningUnit:
         started = time.monotonic()
         if not self.eval_batches:
             return
-        self.last_eval = self.ranks.evaluate(self.trainer, self.engine.global_params, self.eval_batches)
+        self.last_eval = self.ranks.evaluate(self.trainer, self.state.global_params, self.eval_batches)
         if self._last_step_end is not None:
             self._last_step_end += time.monotonic() - started
         self.metrics.write(events.Eval(reason=reason, outer_round=self.outer_round, eval_loss=self.last_eval))
 
     def _write_probe(self) -> None:
-        self.metrics.write(events.ModelProbe(outer_round=self.outer_round, values=self.engine.probe()))
+        self.metrics.write(events.ModelProbe(outer_round=self.outer_round, values=self.state.probe()))
 
     def _publish_state(self) -> None:
-        engine = self.engine
-        rounds = engine.fragment_rounds()
-        self.network.state_server.publish(
-            SwarmState(engine.global_params, engine.momentum, rounds, self.inner_step, self.tokens)
-        )
+        state = self.state
+        self.network.state_server.publish(SwarmState(state.global_params, state.momentum, state.fragment_rounds(),
+                                                     self.inner_step, self.tokens))  # fmt: skip
 
-    def _census(self, records: dict[str, PeerProgress], *phases: Phase) -> int:
-        """How many units are in one of ``phases`` by ``records``, this one included (its own record may not be
-        readable yet)."""
-        return len(set(in_phase(records, *phases)) | {self.network.peer_id})
+    def publish(self, phase: Phase, wait: bool) -> None:
+        """This unit's progress record (the census of departure.py: its phase); stored before returning (at most
+        DHT_TIMEOUT_S) when ``wait``."""
+        eval_loss = self.last_eval if self.last_eval is not None and math.isfinite(self.last_eval) else None
+        progress = PeerProgress(
+            peer_id=self.network.peer_id, inner_step=self.inner_step, outer_round=self.outer_round,
+            tokens_per_s=float(self.throughput.tokens_per_s or 0.0),
+            loss=self.last_loss if math.isfinite(self.last_loss) else 0.0, last_seen=get_dht_time(),
+            group_size=self.last_group_size, model_fingerprint=self.loaded.fingerprint,
+            useful_compute_s=self.ledger.useful_compute_s, allocated_s=self.ledger.allocated_s(time.time()),
+            phase=phase, eval_loss=eval_loss,
+        )  # fmt: skip
+        self.network.records.publish_progress(progress, ttl_s=PROGRESS_TTL_S, wait=wait)
 
-    def _finishing(self, seen: set[str]) -> int:
-        """How many units are finishing now that this one would settle with, this one included: those a read at exit
-        showed finishing (``seen``, updated here) until one shows them in another phase, as a unit's record may expire
-        while its final rounds run (it refreshes it at each settle round). A read without this unit's own record
-        (stored before its final rounds) is incomplete, as reads of a loaded DHT can be: then at least the last census
-        of live units."""
-        records = self.network.records.read_progress()
-        seen.update(in_phase(records, "finishing"))
-        seen.difference_update(in_phase(records, "training", "left"))
-        finishing = {peer_id for peer_id in seen if not self.network.settle_refuses(peer_id)} | {self.network.peer_id}
-        if self.network.peer_id not in records:
-            return max(self.engine.swarm_size, len(finishing))
-        return len(finishing)
-
-    def _publish_progress(self, phase: Phase = "training", wait: bool | None = None) -> None:
-        """This unit's progress record; stored before returning (at most DHT_TIMEOUT_S) when ``wait``, by default for
-        a phase other than training, so that the units leaving with it read it in time."""
-        self.network.records.publish_progress(
-            PeerProgress(
-                peer_id=self.network.peer_id,
-                inner_step=self.inner_step,
-                outer_round=self.outer_round,
-                tokens_per_s=float(self.throughput.tokens_per_s or 0.0),
-                loss=self.last_loss if math.isfinite(self.last_loss) else 0.0,
-                last_seen=get_dht_time(),
-                group_size=self.last_group_size,
-                model_fingerprint=self.loaded.fingerprint,
-                useful_compute_s=self.ledger.useful_compute_s,
-                allocated_s=self.ledger.allocated_s(time.time()),
-                phase=phase,
-                eval_loss=self.last_eval if self.last_eval is not None and math.isfinite(self.last_eval) else None,
-            ),
-            ttl_s=PROGRESS_TTL_S,
-            wait=phase != "training" if wait is None else wait,
-        )
+    def phases(self) -> dict[str, Phase]:
+        """Every unit's phase as the run's progress records show them now (the census of departure.py)."""
+        return {peer_id: record.phase for peer_id, record in self.network.records.read_progress().items()}
 
     def save(self) -> None:
-        """Atomically write the local checkpoint (θ, φ, momentum, inner optimizer, counters) and the goodput
-        ledger."""
+        """Atomically write the local checkpoint (θ, φ, momentum, inner optimizer, counters, data position) and the
+        goodput ledger."""
         self.ledger.save(self.ledger_path)
-        save_checkpoint(
-            self.checkpoint_path,
-            {
-                "model_fingerprint": self.loaded.fingerprint,
-                "local_params": self._local_parameters(),
-                "global_params": self.engine.global_params,
-                "momentum": self.engine.momentum,
-                "inner": self.ranks.inner_state(self.trainer),
-                "outer_round": self.outer_round,
-                "fragment_rounds": self.engine.fragment_rounds(),
-                "inner_step": self.inner_step,
-                "tokens": self.tokens,
-                "data": self._data_fields(),
-            },
-        )
-
-    def _data_fields(self) -> dict[str, int] | None:
-        """The data stream's position after the last batch trained on, and whose stream it is (None: no data of the
-        unit's own)."""
-        if self.data is None:
-            return None
+        self.ranks.fetch(self.trainer.params, range(len(self.theta)))  # gathered from the ranks when sharded
         position = self._stream.position if self._stream is not None else self.data_position
-        return {"shard_seed": self.data.shard_seed, **position.as_dict()}
-
-    def _local_parameters(self) -> list[torch.Tensor]:
-        """A CPU fp32 copy of θ (gathered from the ranks when sharded)."""
-        self.ranks.fetch(self.trainer.params, range(len(self.theta)))
-        return host_copies(self.theta)
+        data = None if self.data is None else {"shard_seed": self.data.shard_seed, **position.as_dict()}
+        save_checkpoint(self.checkpoint_path, {
+            "model_fingerprint": self.loaded.fingerprint, "local_params": host_copies(self.theta),
+            "global_params": self.state.global_params, "momentum": self.state.momentum,
+            "inner": self.ranks.inner_state(self.trainer), "outer_round": self.outer_round,
+            "fragment_rounds": self.state.fragment_rounds(), "inner_step": self.inner_step, "tokens": self.tokens,
+            "data": data,
+        })  # fmt: skip
 
     def finish(self) -> None:
-        """Leave cleanly: hand the last steps to the swarm in final rounds at the next boundary (bounded by the
-        engine's final-round bound; with quorum 1 a round completes alone if nobody joins; a round that does not end
-        in time is dropped and its progress stays in the checkpoint's local parameters); then shut the round
-        averagers down and settle with the units leaving at the same time (:meth:`_settle`); then final eval,
-        checkpoint and export of the consensus parameters."""
-        engine, step_time_s = self.engine, self.throughput.step_time_s
-        self._publish_progress("finishing")  # the units finishing at the same time settle with this one
-        bound_s = engine.final_round_bound_s(step_time_s)
-        logger.info("finishing the last outer rounds (at most %.0f s each; Ctrl+C again to abort)", bound_s)
-        now = get_dht_time()
-        final_boundary = now + engine.boundary_window_s(0, step_time_s, now)  # the same for every unit leaving now
-        self._exit_rounds(engine.begin_final(step_time_s, now), bound_s)
-        for averager in (*self.network.averagers, *self.network.consensus_averagers):
-            averager.shutdown()  # of no more use: the settle averager takes their place (memory stays flat at exit)
-        settle_averager = self._start_settle_averager()
-        if settle_averager is not None:
-            try:
-                self._settle(settle_averager, not_before=final_boundary)
-            finally:
-                settle_averager.shutdown()
-        self._publish_progress("left")  # the units settling after this one no longer wait for it
+        """Leave cleanly: the exit protocol (rounds/departure.py: final rounds, settle rounds, the census), then the
+        final eval, checkpoint and export of the consensus parameters."""
+        network = self.network
+        Departure(self.engine, census=self, observer=self, peer_id=network.peer_id, now=get_dht_time,
+                  settle_averager=network.settle_averager,
+                  refuses=network.settle_refuses).leave(self.throughput.step_time_s)  # fmt: skip
         self._evaluate("final")
         self.save()
         self.ranks.stop()
@@ -492,72 +369,23 @@ class LearningUnit:
     def _export(self, save_dir: Path) -> None:
         """``save_pretrained`` of φ: loaded into the model (θ put back after), or, when θ is sharded over the ranks,
         handed over by name as the state to save."""
-        loaded, adapter_only = self.loaded, self.config.run.export_adapter
+        loaded, adapter_only, phi = self.loaded, self.config.run.export_adapter, self.state.global_params
         if not self.ranks.sharded:
-            with self.trainer.parameters_swapped(self.engine.global_params):
+            with self.trainer.parameters_swapped(phi):
                 export_pretrained(loaded.model, loaded.tokenizer, save_dir, adapter_only=adapter_only)
             return
         names = [name for name, param in loaded.model.named_parameters() if param.requires_grad]
-        state = {**dict(loaded.model.named_buffers()), **dict(zip(names, self.engine.global_params, strict=True))}
+        state = {**dict(loaded.model.named_buffers()), **dict(zip(names, phi, strict=True))}
         export_pretrained(loaded.model, loaded.tokenizer, save_dir, state_dict=state)
 
-    def _start_settle_averager(self) -> Averager | None:
-        """The averager of the settle rounds; None without settle rounds, or when it fails to start (logged: the unit
-        leaves without settling rather than lose its final evaluation, checkpoint and export)."""
-        make_settle = self.network.settle_averager if self.engine.plan.settle_rounds else None
-        if make_settle is None:
-            return None
-        try:
-            return make_settle(self.engine.settle_template())
-        except Exception:  # hivemind raises whatever its averager process raised while starting
-            logger.exception("the settle averager did not start: leaving without settle rounds")
-            return None
-
-    def _settle(self, averager: Averager, not_before: float) -> None:
-        """Settle rounds (rounds/engine.py) with the units leaving at the same time, the first after ``not_before`` (the
-        boundary of the final rounds, whether this unit had one in flight or began one). Units whose final rounds end
-        at different times may settle among themselves first, and a contended matchmaking may leave a unit out of a
-        round, so the rounds go on until one held every unit finishing at the time (:meth:`_finishing`: units
-        announce that they are finishing, refresh that each settle round, then announce that they left) with their φ
-        already within SETTLED_DRIFT; at most ``settle_rounds``, and beyond them, while a unit finishing has not met
-        this one yet, as many more as fit in the final rounds' bound (the time that unit may still spend in its own).
-        A unit leaving a swarm that trains on settles once."""
-        engine, plan = self.engine, self.engine.plan
-        last = plan.settle_rounds + engine.settle_patience(self.throughput.step_time_s)
-        seen_finishing: set[str] = set()
-        for number in range(1, last + 1):
-            self._publish_progress("finishing", wait=False)  # it may have expired in a long final round
-            window_s = engine.settle_window_s(get_dht_time(), not_before)
-            if not engine.begin_settle(averager, window_s):
-                return
-            end = engine.end_settle(averager.finish_round(window_s + FINAL_ROUND_SLACK_S + plan.allreduce_timeout_s))
-            self._ended(end)
-            close = end.member_drift <= SETTLED_DRIFT
-            if number < plan.settle_rounds and not close:
-                continue  # another round is due whoever finishes: no census read
-            everyone = end.group_size >= self._finishing(seen_finishing)
-            if everyone and (close or number >= plan.settle_rounds):
-                return
-
-    def _exit_rounds(self, begins: list[RoundBegin], bound_s: float) -> None:
-        """Report ``begins`` and wait for the rounds in flight (at most ``bound_s``)."""
-        for begin in begins:
-            self._began(begin)
-        for end in self.engine.drain(bound_s):
-            self._ended(end)
-
     def _write_stop(self) -> None:
-        now, ledger = time.time(), self.ledger
+        now, ledger, device = time.time(), self.ledger, self.loaded.device
         self.metrics.write(events.Stop(
             inner_step=self.inner_step, outer_round=self.outer_round, tokens=self.tokens, eval_loss=self.last_eval,
             compute_s=ledger.compute_s, useful_compute_s=ledger.useful_compute_s, useful_tokens=ledger.useful_tokens,
             allocated_s=ledger.allocated_s(now), goodput=ledger.goodput(now), **self._wire_fields(),
-            peak_device_bytes=self._peak_device_bytes(),
+            peak_device_bytes=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
         ))  # fmt: skip
-
-    def _peak_device_bytes(self) -> int | None:
-        device = self.loaded.device
-        return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
 
     def _wire_fields(self) -> dict[str, int | None]:
         """Cumulative bytes this unit's p2p daemon sent and received over TCP (None: not measurable here)."""

@@ -10,9 +10,12 @@ from fakes import FakeGroup, TimedGroup
 
 from p2p_diloco.config import OuterSection
 from p2p_diloco.rounds.clock import RoundClock, next_boundary, power_of_two_period
+from p2p_diloco.rounds.departure import settle_window_s
 from p2p_diloco.rounds.engine import RoundEngine
+from p2p_diloco.rounds.kinds import Settle
 from p2p_diloco.rounds.plan import RoundPlan
 from p2p_diloco.rounds.results import RoundEnd, RoundKind, RoundStatus
+from p2p_diloco.rounds.schedule import ClockSchedule
 
 SHAPES = [(8, 4), (4,)]
 TOKENS = 10
@@ -85,7 +88,7 @@ def engines(count: int, plan: RoundPlan, group: FakeGroup | TimedGroup) -> list[
 
 def step(engine: RoundEngine, amount: float) -> None:
     with torch.no_grad():
-        for tensor in engine.local:
+        for tensor in engine.state.local:
             tensor.add_(amount)
     engine.record_step(TOKENS, 0.1)
 
@@ -110,60 +113,71 @@ def test_units_of_different_speeds_meet_at_every_boundary_of_the_shared_clock() 
             for begin in engine.begin_due(step_time, now):
                 if begin.status is RoundStatus.BEGUN and begin.kind is RoundKind.FRAGMENT:
                     begun[name].append(round(now + begin.window_s))
-    assert fast.clock is not None and slow.clock is not None
-    assert slow.clock.period_s == fast.clock.period_s == 4.0
+    assert isinstance(fast.schedule, ClockSchedule) and isinstance(slow.schedule, ClockSchedule)
+    assert slow.schedule.period_s == fast.schedule.period_s == 4.0
     assert not any(b.tag == "mix" for r in group.rounds for b in r.values()), "two units fit in one group: no mix"
     settled = [boundary for boundary in begun["slow"] if boundary > 10_010]
     assert len(settled) >= 10 and set(settled) <= set(begun["fast"])
     together = [r for r in group.rounds if len(r) == 2 and all(b.tag != "mix" for b in r.values())]
     assert len(together) >= len(settled) - 1, "each slow round met the fast one (the last may be in flight)"
-    assert all(torch.equal(a, b) for a, b in zip(fast.global_params, slow.global_params))
+    assert all(torch.equal(a, b) for a, b in zip(fast.state.global_params, slow.state.global_params))
+
+
+def settle_template(engine: RoundEngine) -> list[torch.Tensor]:
+    return [torch.zeros(engine.state.whole.numel)]
 
 
 def test_settle_rounds_bring_units_that_leave_together_to_their_mean_phi() -> None:
     plan = plan_of()
     units = engines(3, plan, FakeGroup())
     settle = FakeGroup()
-    averagers = [settle.averager(unit.settle_template(), f"u{index}") for index, unit in enumerate(units)]
+    averagers = [settle.averager(settle_template(unit), f"u{index}") for index, unit in enumerate(units)]
     for offset, unit in enumerate(units):
         with torch.no_grad():
-            for phi in unit.global_params:
+            for phi in unit.state.global_params:
                 phi.add_(offset)  # three different models
-    mean = [torch.stack(tensors).mean(0) for tensors in zip(*(unit.global_params for unit in units))]
-    local_before = [[tensor.clone() for tensor in unit.local] for unit in units]
-    phi_before = [[tensor.clone() for tensor in unit.global_params] for unit in units]
-    for unit, averager in zip(units, averagers):
-        assert unit.begin_settle(averager, window_s=unit.settle_window_s(1000.0))
-    ends = [unit.end_settle(averager.poll()) for unit, averager in zip(units, averagers)]
+    mean = [torch.stack(tensors).mean(0) for tensors in zip(*(unit.state.global_params for unit in units))]
+    local_before = [[tensor.clone() for tensor in unit.state.local] for unit in units]
+    phi_before = [[tensor.clone() for tensor in unit.state.global_params] for unit in units]
+    kinds = [Settle(unit.state) for unit in units]
+    sent = [
+        kind.begin(0, averager, window_s=settle_window_s(plan, 1000.0))[1] for kind, averager in zip(kinds, averagers)
+    ]
+    ends = [kind.end(0, payload, averager.poll()) for kind, payload, averager in zip(kinds, sent, averagers)]
     assert all(end.kind is RoundKind.SETTLE and end.status is RoundStatus.MERGED for end in ends)
     assert ends[0].member_drift > 0.1
     for index, unit in enumerate(units):
-        assert all(torch.allclose(phi, target, atol=1e-6) for phi, target in zip(unit.global_params, mean))
-        for theta, theta0, phi0, phi in zip(unit.local, local_before[index], phi_before[index], unit.global_params):
+        assert all(torch.allclose(phi, target, atol=1e-6) for phi, target in zip(unit.state.global_params, mean))
+        for theta, theta0, phi0, phi in zip(unit.state.local, local_before[index], phi_before[index],
+                                            unit.state.global_params):  # fmt: skip
             assert torch.allclose(theta - theta0, phi - phi0, atol=1e-6), "θ moves with φ: local progress is kept"
         assert unit.outer_round == 0
 
 
 def test_a_settle_round_that_meets_nobody_or_ends_late_changes_nothing() -> None:
     (unit,) = engines(1, plan_of(), FakeGroup())
-    averager = FakeGroup().averager(unit.settle_template(), "alone")
-    before = [tensor.clone() for tensor in unit.global_params]
-    assert unit.begin_settle(averager, window_s=2.0)
-    end = unit.end_settle(averager.poll())
-    assert end.status is RoundStatus.ALONE and all(torch.equal(a, b) for a, b in zip(unit.global_params, before))
+    settle = Settle(unit.state)
+    averager = FakeGroup().averager(settle_template(unit), "alone")
+    before = [tensor.clone() for tensor in unit.state.global_params]
+    _, sent = settle.begin(0, averager, window_s=2.0)
+    end = settle.end(0, sent, averager.poll())
+    assert end.status is RoundStatus.ALONE and all(torch.equal(a, b) for a, b in zip(unit.state.global_params, before))
     other = FakeGroup()
-    first, _second = other.averager(unit.settle_template(), "a"), other.averager(unit.settle_template(), "b")
-    assert unit.begin_settle(first, window_s=2.0)
-    late = unit.end_settle(first.finish_round(0.0))  # the other member never came
-    assert late.status is RoundStatus.FAILED and all(torch.equal(a, b) for a, b in zip(unit.global_params, before))
+    first, _second = other.averager(settle_template(unit), "a"), other.averager(settle_template(unit), "b")
+    assert settle.begin(0, first, window_s=2.0)[1] is not None
+    assert first.finish_round(0.0) is None  # the other member never came
+    late = settle.late()
+    assert late.status is RoundStatus.FAILED and all(
+        torch.equal(a, b) for a, b in zip(unit.state.global_params, before)
+    )
 
 
 def test_the_settle_grid_is_shared_whatever_the_period() -> None:
-    (unit,) = engines(1, plan_of(min_window_s=2.0), FakeGroup())
+    plan = plan_of(min_window_s=2.0)
     for now in (1000.0, 1001.5, 1003.9):
-        window = unit.settle_window_s(now)
+        window = settle_window_s(plan, now)
         assert window >= 2.0 and (now + window) % 4.0 == pytest.approx(0.0)
-    early, late = unit.settle_window_s(1000.0, not_before=1010.0), unit.settle_window_s(1009.0, not_before=1010.0)
+    early, late = settle_window_s(plan, 1000.0, not_before=1010.0), settle_window_s(plan, 1009.0, not_before=1010.0)
     assert 1000.0 + early == 1009.0 + late == 1016.0, "units that drained at different times settle together"
 
 
@@ -201,7 +215,8 @@ def test_the_mix_stage_brings_groups_smaller_than_the_swarm_to_the_exact_weighte
         now += 0.1
         mixed += [end for end in tick(group, units, now) if end.kind is RoundKind.MIX]
     assert [end.status for end in mixed] == [RoundStatus.MERGED] * 4 and {end.group_size for end in mixed} == {2}
-    assert all(engine.clock is not None and engine.clock.rounds_per_period == 2 for engine in units)
+    assert all(isinstance(engine.schedule, ClockSchedule) and engine.schedule.clock.rounds_per_period == 2
+               for engine in units)  # fmt: skip
     mixes = [index for index, r in enumerate(group.rounds) if any(b.tag == "mix" for b in r.values())]
     first = group.rounds[mixes[0] - 2 : mixes[0]]  # the two groups of the fragment round before the mix
     begun = [b for r in first for b in r.values()]
@@ -210,9 +225,11 @@ def test_the_mix_stage_brings_groups_smaller_than_the_swarm_to_the_exact_weighte
     expected = [sum(b.weight * b.proposal[i] for b in begun) / total for i in range(len(begun[0].proposal))]
     count = len(SHAPES)
     for engine in units:
-        assert all(torch.allclose(phi, want, atol=1e-5) for phi, want in zip(engine.global_params, expected[:count]))
-        assert all(torch.allclose(m, want, atol=1e-5) for m, want in zip(engine.momentum, expected[count:]))
-    assert len(units[0].momentum) == (count if outer_momentum else 0)
+        assert all(
+            torch.allclose(phi, want, atol=1e-5) for phi, want in zip(engine.state.global_params, expected[:count])
+        )
+        assert all(torch.allclose(m, want, atol=1e-5) for m, want in zip(engine.state.momentum, expected[count:]))
+    assert len(units[0].state.momentum) == (count if outer_momentum else 0)
 
 
 def test_final_rounds_begin_while_a_mix_round_is_in_flight() -> None:
@@ -220,11 +237,17 @@ def test_final_rounds_begin_while_a_mix_round_is_in_flight() -> None:
     and hands its last steps to a final round on the same averager."""
     group, units = mixing_units(outer_momentum=0.9)
     now = 10_000.0
-    while not any(engine.mix_sent for engine in units) and now < 10_030.0:
+    while not any(mixing(engine) for engine in units) and now < 10_030.0:
         now += 0.1
         tick(group, units, now)
-    leaving = next(engine for engine in units if engine.mix_sent)
+    leaving = next(engine for engine in units if mixing(engine))
     leaving.record_step(TOKENS, 0.1)
     begins = leaving.begin_final(0.1, now)
-    assert not leaving.mix_sent and not leaving.mix_due
+    assert isinstance(leaving.schedule, ClockSchedule)
+    assert not mixing(leaving) and not leaving.schedule.mix_due
     assert [begin.status for begin in begins] == [RoundStatus.BEGUN]
+
+
+def mixing(engine: RoundEngine) -> bool:
+    """Whether a mix round is in flight."""
+    return any(round_id.kind is RoundKind.MIX for round_id in engine.in_flight)

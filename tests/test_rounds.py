@@ -154,7 +154,7 @@ def train(engine: RoundEngine, steps: int) -> None:
     """``steps`` inner steps that each move θ a little."""
     for _ in range(steps):
         with torch.no_grad():
-            for tensor in engine.local:
+            for tensor in engine.state.local:
                 tensor.add_(0.01)
         engine.record_step(TOKENS, 0.1)
 
@@ -168,15 +168,15 @@ def test_the_engine_reports_every_outcome_and_changes_phi_only_on_a_merge() -> N
     (alone,) = engine.poll()
     assert alone.status is RoundStatus.ALONE and alone.merged and alone.advanced and alone.outer_round == 1
     assert alone.useful_tokens == 2 * TOKENS and alone.useful_compute_s == pytest.approx(0.2)
-    phi = [tensor.clone() for tensor in engine.global_params]
+    phi = [tensor.clone() for tensor in engine.state.global_params]
     train(engine, 2)
     assert engine.begin_due(0.1)[0].status is RoundStatus.BEGUN
     (failed,) = engine.poll()  # call 1 fails for the whole group
     assert failed.status is RoundStatus.FAILED and not failed.merged and not failed.advanced
-    assert all(torch.equal(a, b) for a, b in zip(engine.global_params, phi)) and engine.outer_round == 1
+    assert all(torch.equal(a, b) for a, b in zip(engine.state.global_params, phi)) and engine.outer_round == 1
     train(engine, 2)
     (deferred,) = engine.begin_due(0.1)  # call 2 is refused: still due
-    assert deferred.status is RoundStatus.DEFERRED and engine.fragments[0].steps_since_round == 2
+    assert deferred.status is RoundStatus.DEFERRED and engine.state.fragments[0].steps_since_round == 2
     assert engine.begin_due(0.1)[0].status is RoundStatus.BEGUN
     (merged,) = engine.poll()
     assert merged.status is RoundStatus.ALONE and merged.weight == 4 * TOKENS  # the failed round's tokens carried
@@ -186,20 +186,20 @@ def test_the_engine_reports_every_outcome_and_changes_phi_only_on_a_merge() -> N
 def test_a_non_finite_average_is_rejected_and_a_non_finite_theta_resets_to_phi() -> None:
     group = FakeGroup()
     engine = engine_of(plan_of(inner_steps=1), [group])
-    rogue = group.averager(plan_of().round_templates(engine.local)[0], "rogue")
+    rogue = group.averager(plan_of().round_templates(engine.state.local)[0], "rogue")
     train(engine, 1)
     engine.begin_due(0.1)
-    poisoned = [torch.full_like(tensor, float("nan")) for tensor in plan_of().round_templates(engine.local)[0]]
+    poisoned = [torch.full_like(tensor, float("nan")) for tensor in plan_of().round_templates(engine.state.local)[0]]
     rogue.begin_round(poisoned, weight=1.0, outer_round=0, window_s=1.0)
     (rejected,) = engine.poll()
     assert rejected.status is RoundStatus.REJECTED and rejected.error and engine.outer_round == 0
     rogue.poll()
     with torch.no_grad():
-        engine.local[0].view(-1)[0] = float("inf")
+        engine.state.local[0].view(-1)[0] = float("inf")
     train(engine, 1)
     (reset,) = engine.begin_due(0.1)
-    assert reset.status is RoundStatus.RESET and not engine.fragments_in_flight()
-    assert all(torch.equal(theta, phi) for theta, phi in zip(engine.local, engine.global_params))
+    assert reset.status is RoundStatus.RESET and not engine.in_flight
+    assert all(torch.equal(theta, phi) for theta, phi in zip(engine.state.local, engine.state.global_params))
 
 
 def test_an_average_that_moves_phi_far_beyond_the_units_own_step_is_rejected_and_carried() -> None:
@@ -207,17 +207,17 @@ def test_an_average_that_moves_phi_far_beyond_the_units_own_step_is_rejected_and
     which moves φ about as far as the unit's own step, merges."""
     group = FakeGroup()
     engine = engine_of(plan_of(inner_steps=2), [group])
-    template = plan_of().round_templates(engine.local)[0]
+    template = plan_of().round_templates(engine.state.local)[0]
     other = group.averager(template, "other")
     train(engine, 2)
-    phi, theta = [t.clone() for t in engine.global_params], [t.clone() for t in engine.local]
+    phi, theta = [t.clone() for t in engine.state.global_params], [t.clone() for t in engine.state.local]
     engine.begin_due(0.1)
     sent = [tensor.clone() for tensor in group._waiting[group.members[0]].proposal]
     other.begin_round([tensor * 1000 for tensor in sent], weight=float(2 * TOKENS), outer_round=0, window_s=1.0)
     (rejected,) = engine.poll()
     assert rejected.status is RoundStatus.REJECTED and not rejected.merged and engine.outer_round == 0
-    assert all(torch.equal(a, b) for a, b in zip(engine.global_params, phi))
-    assert all(torch.equal(a, b) for a, b in zip(engine.local, theta))
+    assert all(torch.equal(a, b) for a, b in zip(engine.state.global_params, phi))
+    assert all(torch.equal(a, b) for a, b in zip(engine.state.local, theta))
     other.poll()
     train(engine, 2)
     engine.begin_due(0.1)
@@ -255,19 +255,18 @@ def _merged_phi(sync_momentum: bool, merge: str, scales: tuple[float, ...]) -> l
     direction = [torch.randn(shape) for shape in SHAPES]
     for index, (engine, scale) in enumerate(zip(engines, scales)):
         with torch.no_grad():
-            for theta, step in zip(engine.local, direction):
+            for theta, step in zip(engine.state.local, direction):
                 theta.sub_(scale * step)
         for _ in range(index + 1):
             engine.record_step(TOKENS, 0.1)
-        engine.fragments[0].steps_since_round = 1
+        engine.state.fragments[0].steps_since_round = 1
     for engine in engines:
         assert engine.begin_due(0.1)[0].status is RoundStatus.BEGUN
     ends = [engine.poll() for engine in engines]
     assert all(end.status is RoundStatus.MERGED for (end,) in ends)
-    assert all(
-        torch.equal(a, b) for other in engines[1:] for a, b in zip(engines[0].global_params, other.global_params)
-    )
-    return engines[0].global_params
+    first = engines[0].state.global_params
+    assert all(torch.equal(a, b) for other in engines[1:] for a, b in zip(first, other.state.global_params))
+    return first
 
 
 @pytest.mark.parametrize("sync_momentum", [True, False])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from fakes import FakeGroup, FaultPlan, clone_all
-from unit_peers import TOKENS_PER_STEP, Peer, PeerFactory, inner_step, maybe_begin, poll
+from unit_peers import TOKENS_PER_STEP, Peer, PeerFactory, inner_step, maybe_begin, poll, sent_round
 
 from p2p_diloco.compression import roundtrip
 from p2p_diloco.diloco import merge_local_progress, outer_step, pseudo_gradient, weighted_average
@@ -18,11 +18,11 @@ STREAMING = dict(outer__fragments=2, outer__inner_steps=2, outer__max_in_flight=
 
 def fragment_state(peer: Peer, number: int) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
     """(φ_p, m_p, θ_p) of a unit, copied."""
-    fragment = peer.unit.engine.fragments[number].fragment
+    fragment = peer.unit.state.fragments[number].fragment
     unit = peer.unit
     return (
-        copies(unit.engine.global_params, fragment),
-        copies(unit.engine.momentum, fragment),
+        copies(unit.state.global_params, fragment),
+        copies(unit.state.momentum, fragment),
         copies(unit.trainer.params, fragment),
     )
 
@@ -51,8 +51,8 @@ def test_a_fragment_round_merges_that_fragment_only(make_peer: PeerFactory) -> N
     torch.testing.assert_close(phi, expected_phi, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(momentum, weighted_average([m for _, m in proposals], [1, 1]), rtol=1e-5, atol=1e-6)
     assert (
-        a.unit.engine.fragments[0].outer_round == 1
-        and a.unit.engine.fragments[1].outer_round == 0
+        a.unit.state.fragments[0].outer_round == 1
+        and a.unit.state.fragments[1].outer_round == 0
         and a.unit.outer_round == 0
     )
     phi_1, momentum_1, _ = fragment_state(a, 1)  # the other fragment: global state untouched
@@ -89,7 +89,7 @@ def test_compressed_rounds_average_pseudo_gradients_with_error_feedback(make_pee
     torch.testing.assert_close(phi, expected_phi, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(momentum, expected_m, rtol=1e-5, atol=1e-6)
     # error feedback: what the codec dropped from the first Δ rides on the second one
-    residual = a.unit.engine.fragments[0].error_feedback.state_dict()["residuals"]
+    residual = a.unit.state.fragments[0].error_feedback.state_dict()["residuals"]
     first_payload = group.rounds[-1][a.averager].proposal
     torch.testing.assert_close(residual, [t - roundtrip(t, codec) for t in first_payload], rtol=0, atol=0)
     assert any(bool(r.abs().max() > 0) for r in residual)
@@ -97,7 +97,7 @@ def test_compressed_rounds_average_pseudo_gradients_with_error_feedback(make_pee
     for _ in range(2):
         step_both(a, b)
     theta_sent = group.rounds[-1][a.averager].proposal
-    delta_2 = pseudo_gradient(phi_before, a.unit.engine.fragments[0].sent.local_at_send)
+    delta_2 = pseudo_gradient(phi_before, sent_round(a.unit.engine, 0).local_at_send)
     torch.testing.assert_close(theta_sent, [d + r for d, r in zip(delta_2, residual)], rtol=1e-6, atol=1e-7)
 
 
@@ -108,19 +108,17 @@ def test_a_refused_compressed_round_leaves_the_error_feedback_residual_as_it_was
     for _ in range(2):
         step_both(a, b)
     assert poll(a) and poll(b)
-    residual = [r.clone() for r in a.unit.engine.fragments[0].error_feedback.state_dict()["residuals"]]
+    residual = [r.clone() for r in a.unit.state.fragments[0].error_feedback.state_dict()["residuals"]]
     for _ in range(2):
         inner_step(a)
     assert (
-        not maybe_begin(a)
-        and a.unit.engine.fragments[0].sent is None
-        and a.unit.engine.fragments[0].steps_since_round == 2
+        not maybe_begin(a) and sent_round(a.unit.engine, 0) is None and a.unit.state.fragments[0].steps_since_round == 2
     )
     assert all(
-        torch.equal(x, y) for x, y in zip(a.unit.engine.fragments[0].error_feedback.state_dict()["residuals"], residual)
+        torch.equal(x, y) for x, y in zip(a.unit.state.fragments[0].error_feedback.state_dict()["residuals"], residual)
     )
     assert maybe_begin(a)
-    delta = pseudo_gradient(fragment_state(a, 0)[0], a.unit.engine.fragments[0].sent.local_at_send)
+    delta = pseudo_gradient(fragment_state(a, 0)[0], sent_round(a.unit.engine, 0).local_at_send)
     torch.testing.assert_close(
         a.averager.begun[-1].proposal, [d + r for d, r in zip(delta, residual)], rtol=1e-6, atol=1e-7
     )
@@ -131,10 +129,10 @@ def test_consensus_round_pulls_drifted_fragments_to_the_group_mean(make_peer: Pe
     groups, consensus = [FakeGroup(), FakeGroup()], [FakeGroup(), FakeGroup()]
     a = make_peer("a", groups, consensus_groups=consensus, **settings)
     b = make_peer("b", groups, consensus_groups=consensus, **settings)
-    b.unit.engine.global_params = [tensor + 0.01 for tensor in b.unit.engine.global_params]  # b's φ drifted from a's
+    b.unit.state.global_params = [tensor + 0.01 for tensor in b.unit.state.global_params]  # b's φ drifted from a's
     step_both(a, b)  # fragment 0's round
     assert poll(a) and poll(b)
-    assert a.unit.engine.consensus_due == [0] and b.unit.engine.consensus_due == [0]
+    assert a.unit.engine.consensus.waiting == [0] and b.unit.engine.consensus.waiting == [0]
     phi_a = fragment_state(a, 0)[0]
     phi_b = fragment_state(b, 0)[0]
     assert max(float((x - y).abs().max()) for x, y in zip(phi_a, phi_b)) > 1e-3
@@ -159,6 +157,6 @@ def test_unit_never_has_more_rounds_in_flight_than_configured(make_peer: PeerFac
         inner_step(a)
         a.unit.poll_round()
         maybe_begin(a)
-        assert len(a.unit.engine.in_flight()) <= 1
+        assert len(a.unit.engine.in_flight) <= 1
     assert sum(len(averager.begun) for averager in a.averagers) == 1
-    assert a.unit.engine.fragments[1].steps_since_round >= 4  # due, but waiting for a free slot
+    assert a.unit.state.fragments[1].steps_since_round >= 4  # due, but waiting for a free slot

@@ -21,13 +21,13 @@ from unit_peers import (
     inner_step,
     maybe_begin,
     poll,
+    sent_round,
     set_rounds,
     train_until_round,
 )
 
 from p2p_diloco.checkpoint import load_checkpoint, save_checkpoint
 from p2p_diloco.diloco import (
-    consensus_probe,
     merge_local_progress,
     outer_step,
     probe_drift,
@@ -44,9 +44,10 @@ from p2p_diloco.events import (
     Stop,
 )
 from p2p_diloco.goodput import GoodputLedger
-from p2p_diloco.records import PeerProgress, Phase
+from p2p_diloco.joining import JoinError
+from p2p_diloco.records import PeerProgress
+from p2p_diloco.rounds.departure import Phase, settle_patience
 from p2p_diloco.state_sync import SwarmState
-from p2p_diloco.unit import JoinError
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -66,11 +67,11 @@ def assert_round_changed_nothing(
 ) -> None:
     """A rejected first round: φ, momentum, θ and the round unchanged, its two steps' tokens carried over."""
     unit = peer.unit
-    assert_all_equal(unit.engine.global_params, phi)
-    assert_all_equal(unit.engine.momentum, momentum)
+    assert_all_equal(unit.state.global_params, phi)
+    assert_all_equal(unit.state.momentum, momentum)
     assert_all_equal(unit.trainer.local_parameters(), theta)
-    assert unit.outer_round == 0 and unit.engine.fragments[0].sent is None
-    assert unit.engine.fragments[0].tokens_since_round == 2 * TOKENS_PER_STEP
+    assert unit.outer_round == 0 and sent_round(unit.engine, 0) is None
+    assert unit.state.fragments[0].tokens_since_round == 2 * TOKENS_PER_STEP
 
 
 def saved_ledger(peer: Peer) -> GoodputLedger:
@@ -99,9 +100,9 @@ def test_h1_lr1_no_momentum_one_group_equals_synchronous_data_parallel(make_peer
     group = FakeGroup()
     peers = [make_peer(name, group, **SYNC_DATA_PARALLEL) for name in ("a", "b")]
     a, b = peers
-    assert_all_equal(a.unit.engine.global_params, b.unit.engine.global_params)
+    assert_all_equal(a.unit.state.global_params, b.unit.state.global_params)
     for round_index in range(3):
-        phi = clone_all(a.unit.engine.global_params)
+        phi = clone_all(a.unit.state.global_params)
         local = []
         for peer in peers:
             inner_step(peer)
@@ -112,12 +113,12 @@ def test_h1_lr1_no_momentum_one_group_equals_synchronous_data_parallel(make_peer
         inner_updates = [pseudo_gradient(theta, phi) for theta in local]  # θ_i − φ
         expected = [p + (ua + ub) / 2 for p, ua, ub in zip(phi, *inner_updates)]
         for peer in peers:
-            assert_all_close(peer.unit.engine.global_params, expected)
+            assert_all_close(peer.unit.state.global_params, expected)
             assert len(peer.averager.begun[-1].proposal) == len(phi)  # φ' alone: m is never used at momentum 0
-            assert_all_equal(peer.unit.trainer.local_parameters(), peer.unit.engine.global_params)  # no overlap: θ = φ
+            assert_all_equal(peer.unit.trainer.local_parameters(), peer.unit.state.global_params)  # no overlap: θ = φ
             assert peer.unit.outer_round == round_index + 1
-            assert peer.unit.engine.fragments[0].tokens_since_round == 0
-        assert_all_equal(a.unit.engine.global_params, b.unit.engine.global_params)
+            assert peer.unit.state.fragments[0].tokens_since_round == 0
+        assert_all_equal(a.unit.state.global_params, b.unit.state.global_params)
     assert [begun.weight for begun in a.averager.begun] == [TOKENS_PER_STEP] * 3
 
 
@@ -137,26 +138,26 @@ def test_late_outcome_keeps_the_overlapped_inner_steps(make_peer: PeerFactory) -
     train_until_round(b)
     assert poll(a) and poll(b)
 
-    count = len(a.unit.engine.global_params)
+    count = len(a.unit.state.global_params)
     sent = group.rounds[-1]
     averaged = weighted_average(
         [sent[member].proposal for member in (a.averager, b.averager)], [2 * TOKENS_PER_STEP] * 2
     )
-    assert_all_close(a.unit.engine.global_params, averaged[:count])
-    assert_all_close(a.unit.engine.momentum, averaged[count:])
-    assert_all_equal(a.unit.engine.global_params, b.unit.engine.global_params)
-    expected_theta = merge_local_progress(a.unit.engine.global_params, theta_now, theta_sent)
+    assert_all_close(a.unit.state.global_params, averaged[:count])
+    assert_all_close(a.unit.state.momentum, averaged[count:])
+    assert_all_equal(a.unit.state.global_params, b.unit.state.global_params)
+    expected_theta = merge_local_progress(a.unit.state.global_params, theta_now, theta_sent)
     assert_all_close(a.unit.trainer.local_parameters(), expected_theta)
-    assert differs(a.unit.trainer.local_parameters(), a.unit.engine.global_params)  # the overlapped steps were kept
-    assert_all_equal(b.unit.trainer.local_parameters(), b.unit.engine.global_params)  # b had no overlap
+    assert differs(a.unit.trainer.local_parameters(), a.unit.state.global_params)  # the overlapped steps were kept
+    assert_all_equal(b.unit.trainer.local_parameters(), b.unit.state.global_params)  # b had no overlap
     assert a.events(OuterRound)[-1].overlap_steps == overlap
-    assert a.unit.engine.fragments[0].steps_since_round == 0  # the next round starts H steps after this one ended
+    assert a.unit.state.fragments[0].steps_since_round == 0  # the next round starts H steps after this one ended
 
 
 def test_failed_round_keeps_phi_and_round_and_carries_its_tokens(make_peer: PeerFactory) -> None:
     group = FakeGroup(FaultPlan().fail("a", call=0))
     a = make_peer("a", group)
-    phi0, momentum0 = clone_all(a.unit.engine.global_params), clone_all(a.unit.engine.momentum)
+    phi0, momentum0 = clone_all(a.unit.state.global_params), clone_all(a.unit.state.momentum)
     train_until_round(a)
     theta = a.unit.trainer.local_parameters()
     assert poll(a)
@@ -173,17 +174,17 @@ def test_failed_round_keeps_phi_and_round_and_carries_its_tokens(make_peer: Peer
     expected_phi, expected_momentum = outer_step(
         phi0, momentum0, pseudo_gradient(phi0, theta4), a.unit.engine.plan.hyper
     )
-    assert_all_close(a.unit.engine.global_params, expected_phi)
-    assert_all_close(a.unit.engine.momentum, expected_momentum)
-    assert a.unit.outer_round == 1 and a.unit.engine.fragments[0].tokens_since_round == 0
+    assert_all_close(a.unit.state.global_params, expected_phi)
+    assert_all_close(a.unit.state.momentum, expected_momentum)
+    assert a.unit.outer_round == 1 and a.unit.state.fragments[0].tokens_since_round == 0
 
 
 def test_non_finite_average_is_rejected_like_a_failed_round(make_peer: PeerFactory) -> None:
     group = FakeGroup()
     a = make_peer("a", group)
-    template = [*a.unit.engine.global_params, *a.unit.engine.momentum]
+    template = [*a.unit.state.global_params, *a.unit.state.momentum]
     rogue = group.averager(template)  # a member whose proposal carries a NaN into the average
-    phi0, momentum0 = clone_all(a.unit.engine.global_params), clone_all(a.unit.engine.momentum)
+    phi0, momentum0 = clone_all(a.unit.state.global_params), clone_all(a.unit.state.momentum)
     train_until_round(a)
     theta = a.unit.trainer.local_parameters()
     poisoned = clone_all(template)
@@ -214,10 +215,8 @@ def test_round_after_merge_is_the_largest_member_round_plus_one(make_peer: PeerF
     a, b = make_peer("a", group), make_peer("b", group)
     set_rounds(a, [3])
     set_rounds(b, [5])
-    b.unit.engine.global_params = [tensor + 0.01 for tensor in b.unit.engine.global_params]  # b's φ drifted from a's
-    drift = probe_drift(
-        [consensus_probe(peer.unit.engine.global_params, peer.unit.engine.probe_indices[0]) for peer in (a, b)]
-    )
+    b.unit.state.global_params = [tensor + 0.01 for tensor in b.unit.state.global_params]  # b's φ drifted from a's
+    drift = probe_drift([peer.unit.state.probe() for peer in (a, b)])
     assert drift > 0
     train_until_round(a)
     train_until_round(b)
@@ -235,7 +234,7 @@ def test_run_begins_a_round_every_h_steps(make_peer: PeerFactory) -> None:
     a.unit.run(threading.Event())
     # instant solo rounds: begun after steps 2 and 5, merged at the next poll (steps 3 and 6); the step that
     # overlapped a round counts in the next round's tokens but the next round starts H steps after the merge
-    assert a.unit.inner_step == 6 and a.unit.outer_round == 2 and a.unit.engine.fragments[0].sent is None
+    assert a.unit.inner_step == 6 and a.unit.outer_round == 2 and sent_round(a.unit.engine, 0) is None
     assert [begun.weight for begun in a.averager.begun] == [2 * TOKENS_PER_STEP, 3 * TOKENS_PER_STEP]
     assert [event.overlap_steps for event in a.events(OuterRound)] == [1, 1]
     assert a.records.progress["a"].inner_step >= 1
@@ -278,15 +277,15 @@ def test_an_eval_is_left_out_of_the_step_period(make_peer: PeerFactory, monkeypa
 def test_join_adopts_the_swarm_state_of_a_later_round(make_peer: PeerFactory) -> None:
     template = make_peer("template", FakeGroup()).unit
     generator = torch.Generator().manual_seed(1)
-    phi = [torch.randn(t.shape, generator=generator) * 0.02 for t in template.engine.global_params]
-    momentum = [torch.randn(t.shape, generator=generator) * 1e-3 for t in template.engine.global_params]
+    phi = [torch.randn(t.shape, generator=generator) * 0.02 for t in template.state.global_params]
+    momentum = [torch.randn(t.shape, generator=generator) * 1e-3 for t in template.state.global_params]
     served = SwarmState(phi, momentum, fragment_rounds=[7], inner_step=140, tokens=9000)
     records = FakeRecords({"donor": progress("donor", 7, template.loaded.fingerprint)})
     a = make_peer("a", FakeGroup(), records=records, served=served)
     assert a.unit.join() == "swarm"
     assert a.state_server.downloads == 1
-    assert_all_equal(a.unit.engine.global_params, phi)
-    assert_all_equal(a.unit.engine.momentum, momentum)
+    assert_all_equal(a.unit.state.global_params, phi)
+    assert_all_equal(a.unit.state.momentum, momentum)
     assert a.unit.outer_round == 7
     assert_all_equal(a.unit.trainer.local_parameters(), phi)
     assert a.state_server.published[-1].outer_round == 7  # it serves the adopted state at once
@@ -297,35 +296,35 @@ def test_a_unit_at_momentum_zero_keeps_serves_and_checkpoints_no_momentum(make_p
     """At outer momentum 0, m would never be read: the unit holds none (4 bytes per parameter less, and as many in its
     state server), merges rounds without it, checkpoints and serves none, and drops a downloaded state's momentum."""
     donor = make_peer("donor", FakeGroup())  # keeps a momentum (0.9)
-    served = SwarmState(clone_all(donor.unit.engine.global_params),
-                        [torch.ones_like(t) for t in donor.unit.engine.global_params], [4], 0, 0)  # fmt: skip
+    served = SwarmState(clone_all(donor.unit.state.global_params),
+                        [torch.ones_like(t) for t in donor.unit.state.global_params], [4], 0, 0)  # fmt: skip
     records = FakeRecords({"donor": progress("donor", 4, donor.unit.loaded.fingerprint)})
     a = make_peer("a", FakeGroup(), records=records, served=served, outer__outer_momentum=0.0)
-    assert a.unit.engine.momentum == []
-    assert a.unit.join() == "swarm" and a.unit.engine.momentum == []
-    phi = clone_all(a.unit.engine.global_params)
+    assert a.unit.state.momentum == []
+    assert a.unit.join() == "swarm" and a.unit.state.momentum == []
+    phi = clone_all(a.unit.state.global_params)
     train_until_round(a)
-    theta = clone_all(a.unit.engine.fragments[0].sent.local_at_send)
-    assert a.unit.engine.fragments[0].sent.momentum_proposal == []
+    theta = clone_all(sent_round(a.unit.engine, 0).local_at_send)
+    assert sent_round(a.unit.engine, 0).momentum_proposal == []
     assert poll(a)  # alone: φ ← its own proposal φ − lr·(φ − θ)
     lr = a.unit.engine.plan.hyper.lr
-    assert_all_close(a.unit.engine.global_params, [p - lr * (p - t) for p, t in zip(phi, theta)])
-    assert a.unit.engine.momentum == [] and a.state_server.published[-1].momentum == []
+    assert_all_close(a.unit.state.global_params, [p - lr * (p - t) for p, t in zip(phi, theta)])
+    assert a.unit.state.momentum == [] and a.state_server.published[-1].momentum == []
     a.unit.save()
     checkpoint = load_checkpoint(a.unit.checkpoint_path)
     assert checkpoint is not None and checkpoint["momentum"] == []
     with_momentum = make_peer("a", FakeGroup())  # the same work dir, now at momentum 0.9: m starts at zero
     assert with_momentum.unit.join() == "checkpoint"
-    assert_all_equal(with_momentum.unit.engine.momentum, [torch.zeros_like(t) for t in phi])
+    assert_all_equal(with_momentum.unit.state.momentum, [torch.zeros_like(t) for t in phi])
 
 
 def test_join_alone_starts_from_the_initial_weights(make_peer: PeerFactory) -> None:
     a = make_peer("a", FakeGroup())
-    initial = clone_all(a.unit.engine.global_params)
+    initial = clone_all(a.unit.state.global_params)
     a.records.publish_progress(progress("a", 9, a.unit.loaded.fingerprint))  # its own stale record is ignored
     assert a.unit.join() == "initial weights"
     assert a.state_server.downloads == 0
-    assert_all_equal(a.unit.engine.global_params, initial)
+    assert_all_equal(a.unit.state.global_params, initial)
     assert a.unit.outer_round == 0 and a.state_server.published[-1].outer_round == 0
 
 
@@ -337,13 +336,13 @@ def test_join_resumes_a_checkpoint_newer_than_the_swarm(make_peer: PeerFactory) 
     set_rounds(first, [5])
     first.unit.save()
     records = FakeRecords({"donor": progress("donor", 3, first.unit.loaded.fingerprint)})
-    served = SwarmState(clone_all(first.unit.engine.global_params), clone_all(first.unit.engine.momentum), [3], 0, 0)
+    served = SwarmState(clone_all(first.unit.state.global_params), clone_all(first.unit.state.momentum), [3], 0, 0)
     again = make_peer("a", FakeGroup(), records=records, served=served)
     assert again.unit.join() == "checkpoint"
     assert again.state_server.downloads == 0
     assert again.unit.outer_round == 5 and again.unit.inner_step == 3 and again.unit.tokens == 3 * TOKENS_PER_STEP
-    assert_all_equal(again.unit.engine.global_params, first.unit.engine.global_params)
-    assert_all_equal(again.unit.engine.momentum, first.unit.engine.momentum)
+    assert_all_equal(again.unit.state.global_params, first.unit.state.global_params)
+    assert_all_equal(again.unit.state.momentum, first.unit.state.momentum)
     assert_all_equal(again.unit.trainer.local_parameters(), first.unit.trainer.local_parameters())
 
 
@@ -351,7 +350,7 @@ def test_join_prefers_a_swarm_ahead_of_the_checkpoint(make_peer: PeerFactory) ->
     first = make_peer("a", FakeGroup())
     set_rounds(first, [2])
     first.unit.save()
-    served = SwarmState(clone_all(first.unit.engine.global_params), clone_all(first.unit.engine.momentum), [4], 0, 0)
+    served = SwarmState(clone_all(first.unit.state.global_params), clone_all(first.unit.state.momentum), [4], 0, 0)
     records = FakeRecords({"donor": progress("donor", 4, first.unit.loaded.fingerprint)})
     again = make_peer("a", FakeGroup(), records=records, served=served)
     assert again.unit.join() == "swarm" and again.unit.outer_round == 4
@@ -381,21 +380,21 @@ def test_finish_hands_the_last_steps_to_a_final_round_then_checkpoints_and_expor
     train_until_round(a)
     assert poll(a)
     inner_step(a)
-    phi_before, theta = clone_all(a.unit.engine.global_params), a.unit.trainer.local_parameters()
+    phi_before, theta = clone_all(a.unit.state.global_params), a.unit.trainer.local_parameters()
     assert differs(theta, phi_before)
     a.unit.finish()
 
     final = a.averager.begun[-1]  # the one-step progress went into a last round (alone here: quorum 1)
-    assert a.unit.outer_round == 2 and final.weight == TOKENS_PER_STEP and a.unit.engine.fragments[0].sent is None
-    assert differs(a.unit.engine.global_params, phi_before)
+    assert a.unit.outer_round == 2 and final.weight == TOKENS_PER_STEP and sent_round(a.unit.engine, 0) is None
+    assert differs(a.unit.state.global_params, phi_before)
     checkpoint = load_checkpoint(a.unit.checkpoint_path)
     assert checkpoint is not None
     assert checkpoint["model_fingerprint"] == a.unit.loaded.fingerprint and checkpoint["outer_round"] == 2
-    assert_all_equal(checkpoint["global_params"], a.unit.engine.global_params)
+    assert_all_equal(checkpoint["global_params"], a.unit.state.global_params)
     assert_all_equal(checkpoint["local_params"], a.unit.trainer.local_parameters())  # exporting φ left θ in place
     assert (save_dir / "model.safetensors").exists()
     exported = AutoModelForCausalLM.from_pretrained(save_dir)
-    assert_all_equal([p.detach() for p in exported.parameters() if p.requires_grad], a.unit.engine.global_params)
+    assert_all_equal([p.detach() for p in exported.parameters() if p.requires_grad], a.unit.state.global_params)
     stop = a.events(Stop)[-1]
     assert stop.outer_round == 2 and math.isfinite(stop.eval_loss)
     ledger = a.unit.ledger  # every step was merged: all its compute is useful
@@ -427,7 +426,7 @@ def test_a_lone_settle_round_is_retried_only_while_another_unit_finishes(
     if not others:
         a.unit.engine.swarm_size = 3  # the census of live units while training: ignored (its own record is read)
     train_until_round(a)
-    patience = a.unit.engine.settle_patience(a.unit.throughput.step_time_s)
+    patience = settle_patience(a.unit.engine, a.unit.throughput.step_time_s)
     settle_rounds = 4 + patience if waits else 1
     a.unit.finish()
     (settle_averager,) = settle.members
@@ -454,7 +453,7 @@ def test_a_unit_read_finishing_counts_until_a_read_shows_it_in_another_phase(
     reads = iter([{"a": own, "b": other}])
     a.records.read_progress = lambda: next(reads, after)  # type: ignore[method-assign]
     a.unit.finish()
-    patience = a.unit.engine.settle_patience(a.unit.throughput.step_time_s)
+    patience = settle_patience(a.unit.engine, a.unit.throughput.step_time_s)
     assert len(settle.members[0].begun) == (4 + patience if settle_rounds is None else settle_rounds)
 
 
@@ -488,7 +487,7 @@ def test_a_census_read_without_its_own_record_falls_back_to_the_live_units(make_
     a.unit.engine.swarm_size = 3
     train_until_round(a)
     a.unit.finish()
-    assert len(settle.members[0].begun) == 3 + a.unit.engine.settle_patience(a.unit.throughput.step_time_s)
+    assert len(settle.members[0].begun) == 3 + settle_patience(a.unit.engine, a.unit.throughput.step_time_s)
 
 
 def test_finish_drops_a_round_that_does_not_end_in_time(make_peer: PeerFactory) -> None:
@@ -496,9 +495,9 @@ def test_finish_drops_a_round_that_does_not_end_in_time(make_peer: PeerFactory) 
     a, _absent = make_peer("a", group), make_peer("b", group)
     seconds = train_until_round(a)
     a.unit.finish()
-    assert a.averager.cancelled == 1 and not a.averager.in_flight and a.unit.engine.fragments[0].sent is None
-    assert a.unit.engine.fragments[0].tokens_since_round == 2 * TOKENS_PER_STEP
-    assert a.unit.engine.fragments[0].compute_since_round == pytest.approx(seconds)
+    assert a.averager.cancelled == 1 and not a.averager.in_flight and sent_round(a.unit.engine, 0) is None
+    assert a.unit.state.fragments[0].tokens_since_round == 2 * TOKENS_PER_STEP
+    assert a.unit.state.fragments[0].compute_since_round == pytest.approx(seconds)
     stop = a.events(Stop)[-1]
     assert stop.useful_compute_s == 0.0 and stop.goodput == 0.0
     assert stop.compute_s == pytest.approx(seconds) and saved_ledger(a).compute_s == stop.compute_s
@@ -510,17 +509,17 @@ def test_finish_drops_a_round_that_does_not_end_in_time(make_peer: PeerFactory) 
 def test_a_merged_round_makes_the_compute_of_its_steps_useful(make_peer: PeerFactory) -> None:
     a = make_peer("a", FakeGroup())
     seconds = train_until_round(a)
-    assert a.unit.ledger.useful_compute_s == 0.0 and a.unit.engine.fragments[0].compute_since_round == 0.0
+    assert a.unit.ledger.useful_compute_s == 0.0 and a.unit.state.fragments[0].compute_since_round == 0.0
     overlap = inner_step(a)  # trained while the round was in flight: it belongs to the next round
     assert poll(a)
     ledger = a.unit.ledger
     assert ledger.useful_compute_s == pytest.approx(seconds) and ledger.useful_tokens == 2 * TOKENS_PER_STEP
     assert ledger.compute_s == pytest.approx(seconds + overlap) and ledger.tokens == 3 * TOKENS_PER_STEP
-    assert a.unit.engine.fragments[0].compute_since_round == pytest.approx(overlap)
+    assert a.unit.state.fragments[0].compute_since_round == pytest.approx(overlap)
     assert saved_ledger(a) == ledger  # saved once per merged round
     event = a.events(OuterRound)[-1]
     assert event.useful_compute_s == ledger.useful_compute_s and event.useful_tokens == 2 * TOKENS_PER_STEP
-    a.unit._publish_progress()
+    a.unit.publish("training", wait=False)
     published = a.records.progress["a"]
     assert published.useful_compute_s == ledger.useful_compute_s and published.allocated_s > 0
 
@@ -530,7 +529,7 @@ def test_a_failed_round_carries_its_compute_into_the_next_merge(make_peer: PeerF
     a = make_peer("a", group)
     first = train_until_round(a)
     assert poll(a)
-    assert a.unit.ledger.useful_compute_s == 0.0 and a.unit.engine.fragments[0].compute_since_round == pytest.approx(
+    assert a.unit.ledger.useful_compute_s == 0.0 and a.unit.state.fragments[0].compute_since_round == pytest.approx(
         first
     )
     second = train_until_round(a)
@@ -546,8 +545,8 @@ def test_a_local_reset_discards_the_compute_of_its_steps(make_peer: PeerFactory)
     poisoned = a.unit.trainer.local_parameters()
     poisoned[0].view(-1)[0] = float("nan")
     a.unit.trainer.load_parameters(poisoned)
-    assert maybe_begin(a) and a.events(LocalReset) and a.unit.engine.fragments[0].sent is None
-    assert a.unit.engine.fragments[0].compute_since_round == 0.0
+    assert maybe_begin(a) and a.events(LocalReset) and sent_round(a.unit.engine, 0) is None
+    assert a.unit.state.fragments[0].compute_since_round == 0.0
     kept = train_until_round(a)
     assert poll(a)
     assert a.unit.ledger.useful_compute_s == pytest.approx(kept)

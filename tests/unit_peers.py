@@ -19,7 +19,10 @@ from p2p_diloco.events import E, read_events
 from p2p_diloco.metrics import MetricsLog
 from p2p_diloco.model import load_model, round_plan
 from p2p_diloco.presets import CORPUS, TINY_MODEL
+from p2p_diloco.rounds.engine import RoundEngine
+from p2p_diloco.rounds.results import RoundId, RoundKind
 from p2p_diloco.state_sync import SwarmState
+from p2p_diloco.streaming import SentRound
 from p2p_diloco.unit import LearningUnit, UnitNetwork
 
 SEQ_LEN, BATCH_SIZE = 32, 2
@@ -124,7 +127,7 @@ def maybe_begin(peer: Peer) -> bool:
 def train_until_round(peer: Peer) -> float:
     """Inner steps until the unit begins its next round (it must have none in flight); returns their compute
     seconds."""
-    assert peer.unit.engine.fragments[0].sent is None
+    assert sent_round(peer.unit.engine, 0) is None
     seconds = sum(inner_step(peer) for _ in range(peer.unit.config.outer.inner_steps))
     assert maybe_begin(peer)
     return seconds
@@ -132,5 +135,14 @@ def train_until_round(peer: Peer) -> float:
 
 def set_rounds(peer: Peer, rounds: list[int]) -> None:
     """Put the unit's fragments at these outer rounds (φ and m unchanged)."""
-    engine = peer.unit.engine
-    engine.load_state(engine.global_params, engine.momentum, rounds)
+    state = peer.unit.state
+    state.load_state(state.global_params, state.momentum, rounds)
+
+
+def sent_round(engine: RoundEngine, number: int = 0) -> SentRound | None:
+    """What fragment ``number``'s round in flight sent (None: none in flight)."""
+    flight = engine.in_flight.get(RoundId(RoundKind.FRAGMENT, number))
+    if flight is None:
+        return None
+    assert isinstance(flight.sent, SentRound)
+    return flight.sent

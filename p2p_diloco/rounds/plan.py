@@ -140,7 +140,7 @@ class RoundPlan:
 
     @property
     def mixes(self) -> bool:
-        """Whether a mix round follows each fragment round (clock schedule, fp32 proposals; module docstring)."""
+        """Whether a mix round follows each fragment round (clock schedule, fp32 proposals; schedule.py)."""
         return self.schedule == "clock" and self.payload is not Payload.PSEUDO_GRADIENT
 
     def keys(self, run_id: str, fingerprint: str) -> KeySchema:

@@ -1,0 +1,77 @@
+"""Where a learning unit's state comes from when it joins (the join rule), and the pieces of a join.
+
+Join rule: if live peers report a later outer round than this unit's local checkpoint (or it has none), the unit
+downloads φ, the outer momentum and the counters from a live peer and trains from φ; otherwise it resumes its
+checkpoint, or starts from the initial weights when the swarm has no state yet. A round claimed far ahead of the
+others' is not believed (members.py ``believed_rounds``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from p2p_diloco import events
+from p2p_diloco.checkpoint import load_checkpoint
+from p2p_diloco.data import DataPosition, TextData
+from p2p_diloco.errors import UserError
+from p2p_diloco.members import believed_rounds
+from p2p_diloco.records import PeerProgress
+from p2p_diloco.state_sync import StateService, SwarmState
+
+logger = logging.getLogger(__name__)
+
+
+class JoinError(UserError):
+    """The unit cannot take part in this swarm; the message is one line for the user."""
+
+
+def own_checkpoint(path: Path, fingerprint: str) -> dict[str, Any] | None:
+    """The unit's checkpoint at ``path`` (None: none). Raises JoinError for a checkpoint of another model,
+    CheckpointError for an unreadable one."""
+    checkpoint = load_checkpoint(path)
+    if checkpoint is not None and checkpoint.get("model_fingerprint") != fingerprint:
+        raise JoinError(f"{path} holds a checkpoint of another model; use another --work-dir")
+    return checkpoint
+
+
+def swarm_round(records: dict[str, PeerProgress], peer_id: str) -> int:
+    """The latest outer round the other units' records claim and are believed (-1: none)."""
+    claims = {peer: record.outer_round for peer, record in records.items() if peer != peer_id}
+    return max(believed_rounds(claims).values(), default=-1)
+
+
+def data_position(checkpoint: dict[str, Any] | None, data: TextData | None) -> DataPosition:
+    """Where the checkpoint's data stream was, if it was this unit's stream (the same shard seed: the same peer
+    identity and seed), whatever state the unit then takes: the data it trained on stays trained on."""
+    saved = checkpoint.get("data") if checkpoint is not None else None
+    if data is None or not isinstance(saved, dict) or saved.get("shard_seed") != data.shard_seed:
+        return DataPosition()
+    try:
+        position = DataPosition.from_dict({key: saved.get(key) for key in ("epoch", "documents")})
+    except ValueError as error:
+        logger.warning("the checkpoint's data position is unreadable, the data starts afresh: %s", error)
+        return DataPosition()
+    logger.info("data resumes at epoch %d after %d documents", position.epoch, position.documents)
+    return position
+
+
+def download_state(server: StateService, swarm_round: int, timeout_s: float, metrics: events.EventSink) -> SwarmState:
+    """The swarm's state from a live peer, retried until ``timeout_s``; the download is written to ``metrics``.
+    Raises JoinError."""
+    started = time.monotonic()
+    deadline = started + timeout_s
+    while time.monotonic() < deadline:
+        state = server.download(timeout_s=max(1.0, deadline - time.monotonic()))
+        if state is not None:
+            seconds = time.monotonic() - started
+            donor = dict(donor_inner_step=state.inner_step, donor_tokens=state.tokens)
+            metrics.write(events.StateDownload(seconds=seconds, outer_round=state.outer_round, **donor))
+            logger.info("downloaded swarm state: outer_round=%d seconds=%.2f", state.outer_round, seconds)
+            return state
+        time.sleep(0.5)
+    raise JoinError(
+        f"the swarm is at outer round {swarm_round} but no live peer served its state within {timeout_s:.0f} s"
+    )

@@ -1,0 +1,252 @@
+"""When a unit's rounds are due. A schedule says which rounds are due now and with which matchmaking window; it never
+begins one (the engine does, and tells it which began and which ended).
+
+* :class:`StepSchedule` (``schedule = "steps"``): a fragment's round H of the unit's own inner steps after its
+  previous one (fragments staggered by H/P steps; units' phases then drift apart with their speeds).
+* :class:`ClockSchedule` (``schedule = "clock"``): at the boundaries of shared time of clock.py, so that every
+  reachable unit meets at every boundary; and, while the mix stage runs, a fragment's mix round half a period after
+  its round (below).
+* :class:`ConsensusQueue` (lossy codecs): the fragments whose φ_p a consensus round should average again.
+
+The mix stage (clock schedule, fp32 proposals, and more live units than ``target_group_size``: the caller sets
+the engine's ``swarm_size``): a round's groups hold at most ``target_group_size`` members, so a swarm larger than
+that ends a round as several group means. Half a period after each fragment round, a mix round averages the
+fragment's (φ_p, m_p) again, weighted by the first group's total weight, among the units that had the same position in
+their first group (hivemind's group bits: ``subgroup`` = the position in binary). Each mix group then holds one member
+of every first group, so with groups of equal size and at most ``target_group_size`` of them (N ≤ target²) every unit
+ends the period on the weighted mean of all proposals: synchronous DiLoCo's φ. With unequal groups it is close to it;
+a unit alone in the first round (position 0) meets the others' first members.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+from p2p_diloco.fragments import due_fragments
+from p2p_diloco.rounds.averager import RoundOutcome
+from p2p_diloco.rounds.clock import RoundClock
+from p2p_diloco.rounds.plan import FINAL_ROUND_SLACK_S, RoundPlan
+from p2p_diloco.rounds.results import RoundId, RoundKind
+from p2p_diloco.streaming import FragmentRounds
+
+BUSY_DECAY = 0.1  # how fast the measured busy time of a round comes down again
+
+
+@dataclass(frozen=True)
+class Due:
+    """A round to begin now: with matchmaking window ``window_s``, for ``boundary`` (a fragment round), in
+    ``subgroup`` and carrying ``weight`` (a mix round)."""
+
+    id: RoundId
+    window_s: float
+    boundary: float = 0.0
+    subgroup: str = ""
+    weight: float = 0.0
+
+
+class Schedule(Protocol):
+    """What the engine asks a schedule (see the module docstring)."""
+
+    @property
+    def period_s(self) -> float | None:
+        """The round period the unit follows (None: no clock)."""
+
+    @property
+    def desired_period_s(self) -> float:
+        """The period this unit wants, shared with its groups (0: no clock)."""
+
+    def mixes_due(self, busy: set[int], step_time_s: float | None, now: float) -> list[Due]:
+        """The mix rounds to begin now (fragments in ``busy`` have a round in flight)."""
+
+    def fragments_due(self, fragments: list[FragmentRounds], busy: set[int], free: int, step_time_s: float | None,
+                      now: float, mixing: bool) -> list[Due]:  # fmt: skip
+        """At most ``free`` fragment rounds to begin now (fragments in ``busy`` have a round in flight)."""
+
+    def began(self, due: Due) -> None:
+        """``due`` began (it was not deferred)."""
+
+    def fragment_ended(self, number: int, merged: RoundOutcome | None, mixing: bool) -> None:
+        """Fragment ``number``'s round ended; ``merged``: its outcome, when it merged."""
+
+    def forget_mixes(self) -> None:
+        """No mix round is due any more (at exit)."""
+
+    def window_s(self, number: int, step_time_s: float | None, now: float) -> float:
+        """The matchmaking window of a round of fragment ``number`` outside the schedule (consensus, final and settle
+        rounds)."""
+
+    def final_round_bound_s(self, step_time_s: float | None) -> float:
+        """The longest a unit's rounds at exit may take."""
+
+
+class StepSchedule:
+    """A fragment's round is due H of the unit's own inner steps after its previous one (see the module docstring)."""
+
+    def __init__(self, plan: RoundPlan):
+        self.plan = plan
+
+    @property
+    def period_s(self) -> float | None:
+        return None
+
+    @property
+    def desired_period_s(self) -> float:
+        return 0.0
+
+    def mixes_due(self, busy: set[int], step_time_s: float | None, now: float) -> list[Due]:
+        return []
+
+    def fragments_due(self, fragments: list[FragmentRounds], busy: set[int], free: int, step_time_s: float | None,
+                      now: float, mixing: bool) -> list[Due]:  # fmt: skip
+        steps = [rounds.steps_since_round for rounds in fragments]
+        window_s = self.plan.window_s(step_time_s)
+        numbers = due_fragments(steps, busy, free, self.plan.inner_steps)
+        return [Due(RoundId(RoundKind.FRAGMENT, number), window_s, now + window_s) for number in numbers]
+
+    def began(self, due: Due) -> None:
+        pass
+
+    def fragment_ended(self, number: int, merged: RoundOutcome | None, mixing: bool) -> None:
+        pass
+
+    def forget_mixes(self) -> None:
+        pass
+
+    def window_s(self, number: int, step_time_s: float | None, now: float) -> float:
+        return self.plan.window_s(step_time_s)
+
+    def final_round_bound_s(self, step_time_s: float | None) -> float:
+        """The window, matchmaking's slack and the all-reduce."""
+        return self.plan.window_s(step_time_s) + FINAL_ROUND_SLACK_S + self.plan.allreduce_timeout_s
+
+
+@dataclass(frozen=True)
+class MixDue:
+    """A fragment's mix round to begin: at ``boundary``, in ``subgroup``, carrying ``weight``."""
+
+    boundary: float
+    subgroup: str
+    weight: float
+
+
+class ClockSchedule(StepSchedule):
+    """Rounds at the boundaries of shared time (clock.py; the module docstring). Until a step time was measured, the
+    unit counts its own steps."""
+
+    def __init__(self, plan: RoundPlan, clock: RoundClock):
+        super().__init__(plan)
+        self.clock = clock
+        self.last_boundary = [-math.inf] * len(plan.fragments)  # per fragment, the boundary of its last round
+        self.busy_s: float | None = None  # how long after its boundary a round kept the unit
+        self.mix_due: dict[int, MixDue] = {}  # fragment → its mix round to begin
+        self._ended_since_look: set[int] = set()  # fragments whose round ended since the last look
+
+    @property
+    def period_s(self) -> float | None:
+        return self.clock.period_s
+
+    @property
+    def desired_period_s(self) -> float:
+        return self.clock.desired_s or 0.0
+
+    def mixes_due(self, busy: set[int], step_time_s: float | None, now: float) -> list[Due]:
+        """The mix rounds whose boundary is within the lead (those too close to begin are dropped)."""
+        dues = []
+        for number, due in list(self.mix_due.items()):
+            window_s = due.boundary - now
+            if step_time_s is None or window_s < self.plan.min_window_s:
+                del self.mix_due[number]
+            elif number not in busy and window_s <= self.clock.lead_s(step_time_s):
+                dues.append(Due(RoundId(RoundKind.MIX, number), window_s + self.clock.jitter_s(), due.boundary,
+                                due.subgroup, due.weight))  # fmt: skip
+        return dues
+
+    def fragments_due(self, fragments: list[FragmentRounds], busy: set[int], free: int, step_time_s: float | None,
+                      now: float, mixing: bool) -> list[Due]:  # fmt: skip
+        if step_time_s is None:  # the clock needs a step time: H own steps until then
+            return super().fragments_due(fragments, busy, free, step_time_s, now, mixing)
+        for number in self._ended_since_look:
+            if math.isfinite(self.last_boundary[number]):
+                busy_s = max(0.0, now - self.last_boundary[number])
+                decayed = busy_s if self.busy_s is None else self.busy_s + BUSY_DECAY * (busy_s - self.busy_s)
+                self.busy_s = max(busy_s, decayed)  # up at once, down slowly: the period does not flap
+        self._ended_since_look.clear()
+        self.clock.rounds_per_period = 2 if mixing else 1
+        self.clock.update(step_time_s, self.busy_s or 0.0)
+        dues: list[Due] = []
+        for rounds in fragments:
+            number = rounds.fragment.number
+            if len(dues) >= free or number in busy or rounds.steps_since_round == 0:
+                continue
+            window = self.clock.due_window(number, now, step_time_s, after=self.last_boundary[number])
+            if window is not None:
+                self.mix_due.pop(number, None)  # a mix not begun by the next round is stale
+                boundary = self.clock.boundary(number, now + self.plan.min_window_s)
+                dues.append(Due(RoundId(RoundKind.FRAGMENT, number), window, boundary))
+        return dues
+
+    def began(self, due: Due) -> None:
+        if due.id.kind is RoundKind.MIX:
+            del self.mix_due[due.id.fragment]
+        else:
+            self.last_boundary[due.id.fragment] = due.boundary
+
+    def fragment_ended(self, number: int, merged: RoundOutcome | None, mixing: bool) -> None:
+        """Follow the members' period, and queue the fragment's mix round half a period after the round's boundary,
+        in the subgroup of this unit's position."""
+        self._ended_since_look.add(number)
+        if merged is None or self.clock.period_s is None:
+            return
+        self.clock.adopt(merged.member_periods)
+        if mixing and math.isfinite(self.last_boundary[number]):
+            half = self.clock.period_s / 2
+            self.mix_due[number] = MixDue(self.last_boundary[number] + half, format(merged.position, "b"),
+                                          max(merged.total_weight, 1.0))  # fmt: skip
+
+    def forget_mixes(self) -> None:
+        self.mix_due.clear()
+
+    def window_s(self, number: int, step_time_s: float | None, now: float) -> float:
+        """Until the fragment's next boundary at least a minimum window away (the plan's window before a period)."""
+        if self.clock.period_s is None:
+            return self.plan.window_s(step_time_s)
+        return max(self.plan.min_window_s, self.clock.boundary(number, now + self.plan.min_window_s) - now)
+
+    def final_round_bound_s(self, step_time_s: float | None) -> float:
+        """A period and the minimum window (the plan's window before a period), matchmaking's slack and the
+        all-reduce."""
+        period = self.clock.period_s
+        window_s = self.plan.window_s(step_time_s) if period is None else period + self.plan.min_window_s
+        return window_s + FINAL_ROUND_SLACK_S + self.plan.allreduce_timeout_s
+
+
+def schedule_of(plan: RoundPlan) -> Schedule:
+    """The schedule of ``plan`` (a new round clock for the clock schedule)."""
+    clock = plan.clock()
+    return StepSchedule(plan) if clock is None else ClockSchedule(plan, clock)
+
+
+class ConsensusQueue:
+    """Lossy codecs: the fragments waiting for a consensus round, oldest first. A fragment is queued every
+    ``consensus_every_rounds`` of its rounds and after one whose members' φ_p differed by more than the tolerance
+    (every member saw the same probes, so all decide alike)."""
+
+    def __init__(self, plan: RoundPlan):
+        self.plan = plan
+        self.waiting: list[int] = []
+
+    def after_merge(self, number: int, outer_round: int, member_drift: float) -> None:
+        plan = self.plan
+        periodic = plan.consensus and outer_round % plan.consensus_every_rounds == 0
+        drifted = plan.consensus and member_drift > plan.consensus_tolerance
+        if (periodic or drifted) and number not in self.waiting:
+            self.waiting.append(number)
+
+    def next_due(self, busy: set[int]) -> int | None:
+        """The oldest fragment waiting whose consensus round is not in flight (``busy``)."""
+        return next((number for number in self.waiting if number not in busy), None)
+
+    def began(self, number: int) -> None:
+        self.waiting.remove(number)
