@@ -58,11 +58,11 @@ def in_flight_share(plan: RoundPlan) -> float:
 
 def inventory(plan: RoundPlan, weight_bytes: int = FP32) -> list[Copy]:
     """The copies a unit of ``plan`` holds (see the module docstring), the bare loop's first."""
-    lossy = plan.payload is Payload.PSEUDO_GRADIENT
+    lossy = plan.step.payload is Payload.PSEUDO_GRADIENT
     s = in_flight_share(plan)
     children = forked_children(plan)
     m = 1 if plan.keeps_momentum else 0  # at outer momentum 0 no m exists anywhere (rounds/engine.py)
-    own_momentum = 1 if plan.payload is Payload.PROPOSAL else 0
+    own_momentum = 1 if plan.step.payload is Payload.PROPOSAL else 0
     return [
         Copy("θ (the model's parameters)", "main", "persistent", weight_bytes, "model.py:load_model", bare=True),
         Copy("gradients of θ", "main", "momentary", weight_bytes,
@@ -72,8 +72,8 @@ def inventory(plan: RoundPlan, weight_bytes: int = FP32) -> list[Copy]:
         Copy("φ (global parameters)", "main", "persistent", FP32, "rounds/state.py:OuterState.__init__ (copy of θ)"),
         Copy("m (outer momentum; none at momentum 0)", "main", "persistent", FP32 * m,
              "rounds/state.py:OuterState._kept_momentum (zeros_like φ)"),
-        Copy(f"fragment-round averagers' buffers ({plan.payload.copies}× the fragments, P={len(plan.fragments)})",
-             "shared memory: main + each averager", "persistent", FP32 * plan.payload.copies,
+        Copy(f"fragment-round averagers' buffers ({plan.step.payload.copies}× the fragments, P={len(plan.fragments)})",
+             "shared memory: main + each averager", "persistent", FP32 * plan.step.payload.copies,
              "averaging.py:OuterAverager.__init__ (zeros_like of rounds/plan.py:RoundPlan.round_templates; hivemind "
              "DecentralizedAverager.__init__: share_memory_)"),
         Copy("consensus averagers' buffers (φ_p flat per fragment)", "shared memory: main + each consensus averager",
@@ -81,7 +81,7 @@ def inventory(plan: RoundPlan, weight_bytes: int = FP32) -> list[Copy]:
              "peer.py:run_peer ← rounds/plan.py:RoundPlan.consensus_templates (lossy codecs only)"),
         Copy("state server's served copy (φ, and m)", "shared memory: main + the state server", "persistent",
              FP32 * (1 + m), "state_sync.py:StateServer.__init__ (buffers), StateServer.publish (copy_ into them)"),
-        Copy("error-feedback residuals", "main", "persistent", FP32 if plan.error_feedback else 0.0,
+        Copy("error-feedback residuals", "main", "persistent", FP32 if plan.step.error_feedback else 0.0,
              "streaming.py:ErrorFeedback.update ← streaming.py:FragmentRounds.mark_sent (lossy codecs)"),
         Copy(f"the main process's pages inherited at each fork: θ, AdamW state, φ, m, freed buffer templates "
              f"({children} children: DHT, averagers, state server)", "each forked child", "persistent", 0.0,
@@ -98,7 +98,7 @@ def inventory(plan: RoundPlan, weight_bytes: int = FP32) -> list[Copy]:
              FP32 * s * ((3 + 2 * m) if lossy else 2 + m),
              "streaming.py:FragmentRounds.payload (fragments.py:copies, diloco.py:pseudo_gradient, outer_step)"),
         Copy("decoded payload (lossy: what receivers decode, to update the residuals)", "main", "momentary",
-             FP32 * s if plan.error_feedback else 0.0,
+             FP32 * s if plan.step.error_feedback else 0.0,
              "streaming.py:FragmentRounds.mark_sent (compression.py:roundtrip)"),
         Copy("merge: φ_p copy (plausibility check), θ_p copy, merged θ_p" + (", the outer step's φ_p, m_p"
                                                                              if lossy else ""),
@@ -118,7 +118,7 @@ def inventory(plan: RoundPlan, weight_bytes: int = FP32) -> list[Copy]:
              "process)", "the settle averager", "exit", 0.0,
              "forking.py:dropped_in_forked_children ← peer.py:_settle_averager, rounds/departure.py:Departure.leave"),
         Copy("a round's end: the buffer's clone (the group's average, or alone what was sent; + mean − sent in "
-             "consensus and settle rounds)", "main", "momentary", FP32 * s * plan.payload.copies,
+             "consensus and settle rounds)", "main", "momentary", FP32 * s * plan.step.payload.copies,
              "averaging.py:OuterAverager._buffers ← poll"),
         Copy("all-reduce: one averaged tensor at a time and per-part buffers", "each averager", "not alone",
              0.0, "hivemind averaging/partition.py:TensorPartContainer.iterate_output_tensors (torch.cat per tensor)"),

@@ -116,7 +116,7 @@ def unit_in_swarm(
         peer_id = str(dht.peer_id)
         keys = plan.keys(run_id, loaded.fingerprint)
         new_averagers = functools.partial(_averagers, owned, dht, plan, gate)
-        averagers = new_averagers(keys.fragment_round, plan.round_templates(theta), plan.codec)
+        averagers = new_averagers(keys.fragment_round, plan.round_templates(theta), plan.step.codec)
         consensus = plan.consensus_templates() if plan.consensus else []
         consensus_averagers = new_averagers(keys.consensus_round, consensus, "fp32")
         state_server = StateServer(dht, keys.state(), theta, records, fragments=len(plan.fragments), gate=gate,
@@ -185,7 +185,7 @@ def _settle_averager(
     """The averager of a unit's settle rounds at exit: fp32, groups as large as hivemind takes, so that
     every unit leaving at the same boundary meets; the unit shuts it down."""
     return OuterAverager(dht, prefix, template, quorum=1, target_group_size=SETTLE_GROUP_SIZE,
-                         allreduce_timeout_s=plan.allreduce_timeout_s, gate=gate)  # fmt: skip
+                         allreduce_timeout_s=plan.group.allreduce_timeout_s, gate=gate)  # fmt: skip
 
 
 def _averagers(
@@ -204,9 +204,9 @@ def _averagers(
             dht,
             prefix(number),
             template,
-            quorum=plan.quorum,
-            target_group_size=plan.target_group_size,
-            allreduce_timeout_s=plan.allreduce_timeout_s,
+            quorum=plan.group.quorum,
+            target_group_size=plan.group.target_size,
+            allreduce_timeout_s=plan.group.allreduce_timeout_s,
             compression=hivemind_compression(codec),
             gate=gate,
         )

@@ -102,7 +102,7 @@ class LearningUnit:
         self.theta = self.ranks.theta(trainer.params)  # what the round engine reads and writes (ranks.py)
         self.engine = RoundEngine(plan, network.averagers, network.consensus_averagers, local=self.theta,
                                   sync=ThetaLink(self.ranks, trainer.params),
-                                  roundtrip=functools.partial(roundtrip, codec=plan.codec))  # fmt: skip
+                                  roundtrip=functools.partial(roundtrip, codec=plan.step.codec))  # fmt: skip
         self.state = self.engine.state  # φ, m and the fragments' rounds
         self.inner_step = self.tokens = 0
         self.data_position = DataPosition()  # where the unit's data stream starts (join: from its checkpoint)

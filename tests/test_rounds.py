@@ -19,9 +19,10 @@ from swarms import record_peers
 import p2p_diloco.rounds
 from p2p_diloco.averaging import OuterAverager
 from p2p_diloco.config import ConfigError, OuterSection
+from p2p_diloco.diloco import OuterHyperparams
 from p2p_diloco.records import SwarmRecords
 from p2p_diloco.rounds.engine import RoundEngine
-from p2p_diloco.rounds.plan import RoundPlan
+from p2p_diloco.rounds.plan import ConsensusRounds, Groups, RoundPlan, Window
 from p2p_diloco.rounds.results import RoundKind, RoundStatus
 from p2p_diloco.state_sync import StateServer, SwarmState
 from p2p_diloco.streaming import Payload
@@ -61,14 +62,24 @@ def plan_of(**outer: Any) -> RoundPlan:
 
 # ------------------------------------------------------------------------------------------------------ plan
 def test_the_codec_decides_what_a_round_carries_and_whether_consensus_rounds_run() -> None:
-    assert plan_of().payload is Payload.PROPOSAL_WITH_MOMENTUM and not plan_of().consensus
-    assert plan_of(sync_momentum=False).payload is Payload.PROPOSAL
-    assert plan_of(outer_momentum=0.0).payload is Payload.PROPOSAL, "at momentum 0 m is never used: never sent"
-    lossy = plan_of(codec="int8", consensus_every_rounds=3)
-    assert lossy.payload is Payload.PSEUDO_GRADIENT and lossy.consensus and lossy.error_feedback
-    assert not plan_of(codec="fp16", consensus_every_rounds=0).consensus
-    assert not plan_of(codec="fp32", consensus_every_rounds=3).consensus, "proposals pull φ together themselves"
-    assert not plan_of(codec="fp16", error_feedback=False).error_feedback
+    assert plan_of().step.payload is Payload.PROPOSAL_WITH_MOMENTUM and plan_of().consensus is None
+    assert plan_of(sync_momentum=False).step.payload is Payload.PROPOSAL
+    assert plan_of(outer_momentum=0.0).step.payload is Payload.PROPOSAL, "at momentum 0 m is never used: never sent"
+    lossy = plan_of(codec="int8", consensus_every_rounds=3, consensus_tolerance=0.5)
+    assert lossy.step.payload is Payload.PSEUDO_GRADIENT and lossy.step.error_feedback
+    assert lossy.consensus == ConsensusRounds(every_rounds=3, tolerance=0.5)
+    assert plan_of(codec="fp16", consensus_every_rounds=0).consensus is None
+    assert plan_of(codec="fp32", consensus_every_rounds=3).consensus is None, "proposals pull φ together themselves"
+    assert not plan_of(codec="fp16", error_feedback=False).step.error_feedback
+
+
+def test_the_plan_groups_the_outer_settings() -> None:
+    plan = plan_of(quorum=2, target_group_size=4, allreduce_timeout_s=5.0, window_fraction=0.25, min_window_s=0.5,
+                   max_window_s=10.0, outer_lr=0.5, nesterov=False, settle_rounds=3, max_in_flight=1)  # fmt: skip
+    assert plan.group == Groups(quorum=2, target_size=4, allreduce_timeout_s=5.0)
+    assert plan.window == Window(fraction=0.25, min_s=0.5, max_s=10.0)
+    assert plan.step.hyper == OuterHyperparams(lr=0.5, momentum=0.9, nesterov=False) and plan.step.codec == "fp32"
+    assert (plan.settle_rounds, plan.max_in_flight, plan.inner_steps, plan.schedule) == (3, 1, 20, "steps")
 
 
 def test_templates_follow_the_fragments_and_the_payload() -> None:
@@ -93,7 +104,7 @@ def test_the_matchmaking_window_is_a_clamped_fraction_of_the_period() -> None:
     assert plan.window_s(0.5) == pytest.approx(5.0)
     assert plan.window_s(0.01) == 1.0 and plan.window_s(10.0) == 8.0
     engine = engine_of(plan, [FakeGroup()])
-    assert engine.final_round_bound_s(0.5) == pytest.approx(5.0 + 1.0 + plan.allreduce_timeout_s)
+    assert engine.final_round_bound_s(0.5) == pytest.approx(5.0 + 1.0 + plan.group.allreduce_timeout_s)
 
 
 def test_a_fragment_count_the_model_cannot_be_split_into_is_a_config_error() -> None:

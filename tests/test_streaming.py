@@ -42,7 +42,7 @@ def test_a_fragment_round_merges_that_fragment_only(make_peer: PeerFactory) -> N
     sent = {peer.work_dir.name: fragment_state(peer, 0)[2] for peer in (a, b)}
     inner_step(a)  # one overlapped step before the average is merged
     assert poll(a)
-    hyper = a.unit.engine.plan.hyper
+    hyper = a.unit.engine.plan.step.hyper
     proposals = [
         outer_step(*before[name][0][:2], pseudo_gradient(before[name][0][0], sent[name]), hyper) for name in "ab"
     ]
@@ -84,7 +84,7 @@ def test_compressed_rounds_average_pseudo_gradients_with_error_feedback(make_pee
     deltas = [begun.proposal for begun in group.rounds[-1].values()]
     assert all(len(delta) == len(phi0) for delta in deltas)  # the payload is Δ alone: no φ, no momentum
     assert poll(a) and poll(b)
-    expected_phi, expected_m = outer_step(phi0, m0, weighted_average(deltas, [1, 1]), a.unit.engine.plan.hyper)
+    expected_phi, expected_m = outer_step(phi0, m0, weighted_average(deltas, [1, 1]), a.unit.engine.plan.step.hyper)
     phi, momentum, _ = fragment_state(a, 0)
     torch.testing.assert_close(phi, expected_phi, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(momentum, expected_m, rtol=1e-5, atol=1e-6)

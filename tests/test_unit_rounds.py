@@ -172,7 +172,7 @@ def test_failed_round_keeps_phi_and_round_and_carries_its_tokens(make_peer: Peer
     assert poll(a)
     # alone in its group, the unit takes its own outer step on the pseudo-gradient of all four inner steps
     expected_phi, expected_momentum = outer_step(
-        phi0, momentum0, pseudo_gradient(phi0, theta4), a.unit.engine.plan.hyper
+        phi0, momentum0, pseudo_gradient(phi0, theta4), a.unit.engine.plan.step.hyper
     )
     assert_all_close(a.unit.state.global_params, expected_phi)
     assert_all_close(a.unit.state.momentum, expected_momentum)
@@ -307,7 +307,7 @@ def test_a_unit_at_momentum_zero_keeps_serves_and_checkpoints_no_momentum(make_p
     theta = clone_all(sent_round(a.unit.engine, 0).local_at_send)
     assert sent_round(a.unit.engine, 0).momentum_proposal == []
     assert poll(a)  # alone: φ ← its own proposal φ − lr·(φ − θ)
-    lr = a.unit.engine.plan.hyper.lr
+    lr = a.unit.engine.plan.step.hyper.lr
     assert_all_close(a.unit.state.global_params, [p - lr * (p - t) for p, t in zip(phi, theta)])
     assert a.unit.state.momentum == [] and a.state_server.published[-1].momentum == []
     a.unit.save()

@@ -123,7 +123,7 @@ class Departure:
             _, sent = settle.begin(0, averager, window_s)
             if sent is None:
                 return
-            outcome = averager.finish_round(window_s + FINAL_ROUND_SLACK_S + plan.allreduce_timeout_s)
+            outcome = averager.finish_round(window_s + FINAL_ROUND_SLACK_S + plan.group.allreduce_timeout_s)
             end = settle.late() if outcome is None else settle.end(0, sent, outcome)
             self.observer.ended(end)
             close = end.member_drift <= SETTLED_DRIFT
@@ -151,13 +151,13 @@ class Departure:
 def settle_period_s(plan: RoundPlan) -> float:
     """The grid of the settle rounds' boundaries, shared by every unit whatever its period or schedule: two minimum
     windows (a settle round after another begins one period later)."""
-    return 2 * plan.min_window_s
+    return 2 * plan.window.min_s
 
 
 def settle_window_s(plan: RoundPlan, now: float, not_before: float = 0.0) -> float:
     """A settle round's matchmaking window: until the first boundary of the settle grid at least a minimum window after
     ``now`` and ``not_before``."""
-    return next_boundary(max(now, not_before) + plan.min_window_s, settle_period_s(plan), 0.0) - now
+    return next_boundary(max(now, not_before) + plan.window.min_s, settle_period_s(plan), 0.0) - now
 
 
 def settle_patience(engine: RoundEngine, step_time_s: float | None) -> int:

@@ -60,10 +60,10 @@ class RoundEngine:
         sync: LocalSync = InPlace(),
         roundtrip: Roundtrip | None = None,
     ):
-        count = len(plan.fragments)
-        if len(averagers) != count or len(consensus_averagers) != (count if plan.consensus else 0):
-            raise ValueError(f"a plan of {count} fragments (consensus: {plan.consensus}) got {len(averagers)} "
-                             f"averagers and {len(consensus_averagers)} consensus averagers")  # fmt: skip
+        count, consensus = len(plan.fragments), plan.consensus is not None
+        if len(averagers) != count or len(consensus_averagers) != (count if consensus else 0):
+            raise ValueError(f"a plan of {count} fragments (consensus: {consensus}) got {len(averagers)} averagers "
+                             f"and {len(consensus_averagers)} consensus averagers")  # fmt: skip
         self.plan = plan
         self.averagers, self.consensus_averagers = list(averagers), list(consensus_averagers)
         self.state = OuterState(plan, local, sync, roundtrip)
@@ -84,7 +84,7 @@ class RoundEngine:
     @property
     def mixing(self) -> bool:
         """Whether mix rounds follow the fragment rounds now (schedule.py: the mix stage)."""
-        return self.plan.mixes and self.swarm_size > self.plan.target_group_size
+        return self.plan.mixes and self.swarm_size > self.plan.group.target_size
 
     def record_step(self, tokens: int, compute_s: float) -> None:
         """Count one inner step toward every fragment's next round."""

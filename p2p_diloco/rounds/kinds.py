@@ -54,7 +54,7 @@ class FragmentRound:
             state.reset_local()
             return RoundBegin(round_id, RoundStatus.RESET, rounds.outer_round), None
         payload, momentum_proposal, own_step = rounds.payload(state.global_params, state.momentum, local_at_send,
-                                                              plan.hyper)  # fmt: skip
+                                                              plan.step.hyper)  # fmt: skip
         weight = max(1, rounds.tokens_since_round)
         begun = averager.begin_round(
             payload, weight=weight, outer_round=rounds.outer_round, window_s=window_s,
@@ -80,7 +80,7 @@ class FragmentRound:
         merged = None
         if status in MERGES:
             assert outcome.averaged is not None
-            merged = rounds.merged(outcome.averaged, state.global_params, state.momentum, sent, state.plan.hyper)
+            merged = rounds.merged(outcome.averaged, state.global_params, state.momentum, sent, state.plan.step.hyper)
             step = distance(merged[0], copies(state.global_params, rounds.fragment))
             what = f"outer round {rounds.outer_round} of fragment {number}"
             if not plausible_step(what, step, sent.step_scale):

@@ -69,27 +69,63 @@ class KeySchema:
 
 
 @dataclass(frozen=True)
-class RoundPlan:
-    """How a unit's outer rounds are laid out, derived once by :meth:`from_config`: the only reader of ``[outer]``."""
+class OuterStep:
+    """What a fragment round carries (the payload, on the wire through the codec, with error feedback for a lossy one)
+    and the outer step it takes: the outer SGD step and the merge rule (RDA: the tensors merged by their mean, the
+    embeddings; None: every tensor by the mean)."""
 
-    fragments: tuple[Fragment, ...]
     payload: Payload
     codec: Codec
     error_feedback: bool
-    consensus_every_rounds: int  # 0: no consensus rounds (always 0 for proposal payloads)
-    consensus_tolerance: float
     hyper: OuterHyperparams
+    mean_merged: frozenset[int] | None = None
+
+
+@dataclass(frozen=True)
+class Window:
+    """How long a round recruits members: ``fraction`` × H measured wall times per inner step, clamped to
+    [``min_s``, ``max_s``]."""
+
+    fraction: float
+    min_s: float
+    max_s: float
+
+
+@dataclass(frozen=True)
+class Groups:
+    """Which groups a round takes: at least ``quorum`` members, recruiting up to ``target_size``, the all-reduce
+    bounded by ``allreduce_timeout_s`` once the group formed."""
+
+    quorum: int
+    target_size: int
+    allreduce_timeout_s: float
+
+
+@dataclass(frozen=True)
+class ConsensusRounds:
+    """Lossy codecs: fp32 rounds of a fragment's φ_p every ``every_rounds`` of its rounds, and after one whose members'
+    φ_p differed by more than ``tolerance``."""
+
+    every_rounds: int
+    tolerance: float
+
+
+@dataclass(frozen=True)
+class RoundPlan:
+    """How a unit's outer rounds are laid out, derived once by :meth:`from_config`: the only reader of ``[outer]``.
+    When rounds come: every ``inner_steps`` by the ``schedule``, at most ``max_in_flight`` at once; what they carry
+    and do (``step``), whom they meet (``window``, ``group``), the corrections (``consensus``: None without consensus
+    rounds; ``settle_rounds`` at exit)."""
+
+    fragments: tuple[Fragment, ...]
     inner_steps: int
     schedule: Schedule
-    settle_rounds: int
     max_in_flight: int
-    window_fraction: float
-    min_window_s: float
-    max_window_s: float
-    quorum: int
-    target_group_size: int
-    allreduce_timeout_s: float
-    mean_merged: frozenset[int] | None = None  # RDA: the tensors merged by their mean (embeddings); None: mean merge
+    step: OuterStep
+    window: Window
+    group: Groups
+    consensus: ConsensusRounds | None
+    settle_rounds: int
 
     @classmethod
     def from_config(cls, outer: OuterSection, shapes: Sequence[torch.Size | Sequence[int]],
@@ -107,56 +143,44 @@ class RoundPlan:
             synced = outer.sync_momentum and outer.outer_momentum > 0  # at momentum 0, m is never used
             payload = Payload.PROPOSAL_WITH_MOMENTUM if synced else Payload.PROPOSAL
         lossy = payload is Payload.PSEUDO_GRADIENT
+        hyper = OuterHyperparams(outer.outer_lr, outer.outer_momentum, outer.nesterov)
+        mean_merged = frozenset(embeddings) if outer.merge == "rda" else None
+        consensus = lossy and outer.consensus_every_rounds > 0  # proposals pull φ together themselves
         return cls(
-            fragments=fragments,
-            payload=payload,
-            codec=outer.codec,
-            error_feedback=lossy and outer.error_feedback,
-            consensus_every_rounds=outer.consensus_every_rounds if lossy else 0,
-            consensus_tolerance=outer.consensus_tolerance,
-            hyper=OuterHyperparams(outer.outer_lr, outer.outer_momentum, outer.nesterov),
-            inner_steps=outer.inner_steps,
-            schedule=outer.schedule,
+            fragments, outer.inner_steps, outer.schedule, outer.max_in_flight,
+            step=OuterStep(payload, outer.codec, lossy and outer.error_feedback, hyper, mean_merged),
+            window=Window(outer.window_fraction, outer.min_window_s, outer.max_window_s),
+            group=Groups(outer.quorum, outer.target_group_size, outer.allreduce_timeout_s),
+            consensus=ConsensusRounds(outer.consensus_every_rounds, outer.consensus_tolerance) if consensus else None,
             settle_rounds=outer.settle_rounds,
-            max_in_flight=outer.max_in_flight,
-            window_fraction=outer.window_fraction,
-            min_window_s=outer.min_window_s,
-            max_window_s=outer.max_window_s,
-            quorum=outer.quorum,
-            target_group_size=outer.target_group_size,
-            allreduce_timeout_s=outer.allreduce_timeout_s,
-            mean_merged=frozenset(embeddings) if outer.merge == "rda" else None,
-        )
-
-    @property
-    def consensus(self) -> bool:
-        """Whether consensus rounds run (one more averager per fragment)."""
-        return self.consensus_every_rounds > 0
+        )  # fmt: skip
 
     @property
     def keeps_momentum(self) -> bool:
         """Whether units keep an outer momentum m: at momentum 0 it would never be read, so none exists."""
-        return self.hyper.momentum > 0
+        return self.step.hyper.momentum > 0
 
     @property
     def mixes(self) -> bool:
         """Whether a mix round follows each fragment round (clock schedule, fp32 proposals; schedule.py)."""
-        return self.schedule == "clock" and self.payload is not Payload.PSEUDO_GRADIENT
+        return self.schedule == "clock" and self.step.payload is not Payload.PSEUDO_GRADIENT
 
     def keys(self, run_id: str, fingerprint: str) -> KeySchema:
         """Where this plan's units meet and share state (see :class:`KeySchema`)."""
-        carried = f"payload={self.payload.value};codec={self.codec}"
-        step = f"lr={self.hyper.lr!r};momentum={self.hyper.momentum!r};nesterov={self.hyper.nesterov}"
-        step += "" if self.mean_merged is None else ";merge=rda"
-        digest = hashlib.blake2b(f"{carried};{step}".encode(), digest_size=5).hexdigest()
+        step, hyper = self.step, self.step.hyper
+        carried = f"payload={step.payload.value};codec={step.codec}"
+        outer_step = f"lr={hyper.lr!r};momentum={hyper.momentum!r};nesterov={hyper.nesterov}"
+        outer_step += "" if step.mean_merged is None else ";merge=rda"
+        digest = hashlib.blake2b(f"{carried};{outer_step}".encode(), digest_size=5).hexdigest()
         return KeySchema(run_id, fingerprint, len(self.fragments), digest)
 
     def radial(self, fragment: Fragment) -> tuple[bool, ...] | None:
         """RDA: per piece of ``fragment``, whether it is merged by norm and direction (not an embedding); None for
         the mean merge."""
-        if self.mean_merged is None:
+        mean_merged = self.step.mean_merged
+        if mean_merged is None:
             return None
-        return tuple(piece.index not in self.mean_merged for piece in fragment.pieces)
+        return tuple(piece.index not in mean_merged for piece in fragment.pieces)
 
     def round_templates(self, trained: Sequence[torch.Tensor]) -> list[Tensors]:
         """Per fragment, tensors shaped like one round's payload (its pieces, once or twice; with RDA, then the
@@ -164,8 +188,8 @@ class RoundPlan:
         templates = []
         for fragment in self.fragments:
             pieces = views(trained, fragment)
-            extra = [] if self.mean_merged is None else [*pieces, torch.zeros(len(pieces))]
-            templates.append(pieces * self.payload.copies + extra)
+            extra = [] if self.step.mean_merged is None else [*pieces, torch.zeros(len(pieces))]
+            templates.append(pieces * self.step.payload.copies + extra)
         return templates
 
     def consensus_templates(self) -> list[Tensors]:
@@ -173,20 +197,20 @@ class RoundPlan:
         return [[torch.zeros(fragment.numel)] for fragment in self.fragments]
 
     def window_s(self, step_time_s: float | None) -> float:
-        """The matchmaking window: how long a round recruits members, ``window_fraction`` × H measured wall times per
-        inner step, clamped to [min_window_s, max_window_s] (the minimum before any step was measured).
+        """The matchmaking window (see :class:`Window`; the minimum before any step was measured).
 
         With a window of half a round period, two units meet whatever their phase; units that averaged together end
         the round together and stay in phase afterwards."""
+        window = self.window
         if step_time_s is None:
-            return self.min_window_s
-        window = self.window_fraction * self.inner_steps * step_time_s
-        return min(self.max_window_s, max(self.min_window_s, window))
+            return window.min_s
+        return min(window.max_s, max(window.min_s, window.fraction * self.inner_steps * step_time_s))
 
     def clock(self) -> RoundClock | None:
         """A new round clock for the ``clock`` schedule (None for ``steps``): the period holds at least two minimum
         windows, so that a round's matchmaking and all-reduce end before its fragment's next boundary."""
         if self.schedule != "clock":
             return None
-        return RoundClock(self.inner_steps, len(self.fragments), self.min_window_s, min_period_s=2 * self.min_window_s,
+        min_window_s = self.window.min_s
+        return RoundClock(self.inner_steps, len(self.fragments), min_window_s, min_period_s=2 * min_window_s,
                           rounds_per_period=2 if self.mixes else 1)  # fmt: skip

@@ -119,7 +119,7 @@ class StepSchedule:
 
     def final_round_bound_s(self, step_time_s: float | None) -> float:
         """The window, matchmaking's slack and the all-reduce."""
-        return self.plan.window_s(step_time_s) + FINAL_ROUND_SLACK_S + self.plan.allreduce_timeout_s
+        return self.plan.window_s(step_time_s) + FINAL_ROUND_SLACK_S + self.plan.group.allreduce_timeout_s
 
 
 @dataclass(frozen=True)
@@ -156,7 +156,7 @@ class ClockSchedule(StepSchedule):
         dues = []
         for number, due in list(self.mix_due.items()):
             window_s = due.boundary - now
-            if step_time_s is None or window_s < self.plan.min_window_s:
+            if step_time_s is None or window_s < self.plan.window.min_s:
                 del self.mix_due[number]
             elif number not in busy and window_s <= self.clock.lead_s(step_time_s):
                 dues.append(Due(RoundId(RoundKind.MIX, number), window_s + self.clock.jitter_s(), due.boundary,
@@ -183,7 +183,7 @@ class ClockSchedule(StepSchedule):
             window = self.clock.due_window(number, now, step_time_s, after=self.last_boundary[number])
             if window is not None:
                 self.mix_due.pop(number, None)  # a mix not begun by the next round is stale
-                boundary = self.clock.boundary(number, now + self.plan.min_window_s)
+                boundary = self.clock.boundary(number, now + self.plan.window.min_s)
                 dues.append(Due(RoundId(RoundKind.FRAGMENT, number), window, boundary))
         return dues
 
@@ -212,14 +212,14 @@ class ClockSchedule(StepSchedule):
         """Until the fragment's next boundary at least a minimum window away (the plan's window before a period)."""
         if self.clock.period_s is None:
             return self.plan.window_s(step_time_s)
-        return max(self.plan.min_window_s, self.clock.boundary(number, now + self.plan.min_window_s) - now)
+        return max(self.plan.window.min_s, self.clock.boundary(number, now + self.plan.window.min_s) - now)
 
     def final_round_bound_s(self, step_time_s: float | None) -> float:
         """A period and the minimum window (the plan's window before a period), matchmaking's slack and the
         all-reduce."""
         period = self.clock.period_s
-        window_s = self.plan.window_s(step_time_s) if period is None else period + self.plan.min_window_s
-        return window_s + FINAL_ROUND_SLACK_S + self.plan.allreduce_timeout_s
+        window_s = self.plan.window_s(step_time_s) if period is None else period + self.plan.window.min_s
+        return window_s + FINAL_ROUND_SLACK_S + self.plan.group.allreduce_timeout_s
 
 
 def schedule_of(plan: RoundPlan) -> Schedule:
@@ -229,19 +229,18 @@ def schedule_of(plan: RoundPlan) -> Schedule:
 
 
 class ConsensusQueue:
-    """Lossy codecs: the fragments waiting for a consensus round, oldest first. A fragment is queued every
-    ``consensus_every_rounds`` of its rounds and after one whose members' φ_p differed by more than the tolerance
-    (every member saw the same probes, so all decide alike)."""
+    """Lossy codecs: the fragments waiting for a consensus round, oldest first, queued by the plan's consensus rule
+    (rounds/plan.py ``ConsensusRounds``; every member saw the same probes, so all decide alike)."""
 
     def __init__(self, plan: RoundPlan):
         self.plan = plan
         self.waiting: list[int] = []
 
     def after_merge(self, number: int, outer_round: int, member_drift: float) -> None:
-        plan = self.plan
-        periodic = plan.consensus and outer_round % plan.consensus_every_rounds == 0
-        drifted = plan.consensus and member_drift > plan.consensus_tolerance
-        if (periodic or drifted) and number not in self.waiting:
+        rule = self.plan.consensus
+        if rule is None:
+            return
+        if (outer_round % rule.every_rounds == 0 or member_drift > rule.tolerance) and number not in self.waiting:
             self.waiting.append(number)
 
     def next_due(self, busy: set[int]) -> int | None:

@@ -46,7 +46,7 @@ class OuterState:
 
     def __init__(self, plan: RoundPlan, local: Sequence[torch.Tensor], sync: LocalSync = InPlace(),
                  roundtrip: Roundtrip | None = None):  # fmt: skip
-        if plan.error_feedback and roundtrip is None:
+        if plan.step.error_feedback and roundtrip is None:
             raise ValueError("error feedback needs the codec's round trip")
         self.plan, self.local, self.sync = plan, list(local), sync
         self.global_params: Tensors = [tensor.detach().to(device="cpu", dtype=torch.float32, copy=True)
@@ -54,9 +54,9 @@ class OuterState:
         self.momentum: Tensors = self._kept_momentum(())
         total = sum(fragment.numel for fragment in plan.fragments)
         self.fragments = [
-            FragmentRounds(fragment, fragment.numel / total, plan.payload,
-                           error_feedback=ErrorFeedback() if plan.error_feedback else None,
-                           roundtrip=roundtrip if plan.error_feedback else None, radial=plan.radial(fragment))
+            FragmentRounds(fragment, fragment.numel / total, plan.step.payload,
+                           error_feedback=ErrorFeedback() if plan.step.error_feedback else None,
+                           roundtrip=roundtrip if plan.step.error_feedback else None, radial=plan.radial(fragment))
             for fragment in plan.fragments
         ]  # fmt: skip
         self.whole = partition([tensor.shape for tensor in self.global_params], 1)[0]  # the model as one fragment
