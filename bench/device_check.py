@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 
 from bench.swarm import Swarm
-from p2p_diloco.events import Join, Stop
 from p2p_diloco.presets import TINY_MODEL
+from p2p_diloco.unit.events import Join, Stop
 
 SMOLLM2_CONFIG = Path(__file__).parent / "models" / "smollm2-135m"
 UNITS = ("a", "b")

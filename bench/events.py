@@ -1,14 +1,14 @@
 """The laboratory's event kinds, by log: the executed schedule of a comparison (``schedule.jsonl``), a gang's decisions
 (``gang.jsonl``), a baseline rank's log (``unit<i>/metrics.jsonl``) and the link sampler's (``links.jsonl``). Written
-with :class:`p2p_diloco.metrics.MetricsLog` and read with :func:`p2p_diloco.events.read_events`, like the unit's
-own events (``p2p_diloco/events.py``)."""
+with :class:`p2p_diloco.unit.metrics.MetricsLog` and read with :func:`p2p_diloco.unit.events.read_events`, like the
+unit's own events (``p2p_diloco/unit/events.py``)."""
 
 from __future__ import annotations
 
 from typing import Literal
 
 from bench.chaos.schedule import FaultKind
-from p2p_diloco.events import Event
+from p2p_diloco.unit.events import Event
 
 
 # ------------------------------------------------------------------------------ schedule.jsonl (harness, targets)

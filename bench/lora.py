@@ -17,10 +17,10 @@ from pathlib import Path
 
 from bench.swarm import Swarm
 from p2p_diloco.config import load_config
-from p2p_diloco.data import load_text_data, shard_seed
-from p2p_diloco.events import Eval, Join, Stop
-from p2p_diloco.inner import InnerTrainer
-from p2p_diloco.model import export_pretrained, load_model
+from p2p_diloco.unit.data import load_text_data, shard_seed
+from p2p_diloco.unit.events import Eval, Join, Stop
+from p2p_diloco.unit.inner import InnerTrainer
+from p2p_diloco.unit.model import export_pretrained, load_model
 
 # method -> its own `join` flags (LoRA adapters usually take a larger learning rate than the full weights)
 METHODS: dict[str, list[str]] = {

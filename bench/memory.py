@@ -40,11 +40,11 @@ from bench.memory_inventory import as_json, inventory, predicted
 from bench.overhead import bare_loop
 from bench.process_memory import ProcessSample, sample_tree
 from p2p_diloco.config import PeerConfig, add_config_arguments, load_config
-from p2p_diloco.events import OuterRound, Stop, read_events
-from p2p_diloco.launcher import CLI, spawn, stop_process_groups
-from p2p_diloco.model import resolve_device
+from p2p_diloco.ops.launcher import CLI, spawn, stop_process_groups
 from p2p_diloco.presets import CORPUS
 from p2p_diloco.rounds.plan import RoundPlan
+from p2p_diloco.unit.events import OuterRound, Stop, read_events
+from p2p_diloco.unit.model import resolve_device
 
 SAMPLE_EVERY_S = 0.2
 TIMELINE_EVERY_S = 1.0  # the report keeps one sample per this many seconds

@@ -12,7 +12,7 @@ one call, freed when it returns; glibc may keep the freed pages resident), ``exi
 hivemind's DHT and every averager run in processes forked from the unit's main process (lifecycle.py:
 ensure_fork_start_method), one after the other. A child shares the main process's pages copy-on-write, so every page
 the main process rewrites afterwards, and every freed heap page it reuses, would become the child's own (measured for
-SmolLM2, P=1, fp32, before forking.py: 33 B/param private in the three children). forking.py hands the freed pages
+SmolLM2, P=1, fp32, before unit/forking.py: 33 B/param private in the three children). forking.py hands the freed pages
 back to the system before each fork and drops the unit's tensors from each child right after it, so the children keep
 no model-sized pages: what they hold is their own heap (measured: 2-8 B/param for all of them on SmolLM2, about 100
 MiB each on the tiny model). The shared buffers are mapped by the main process and the child: counted once (a lone
@@ -64,34 +64,35 @@ def inventory(plan: RoundPlan, weight_bytes: int = FP32) -> list[Copy]:
     m = 1 if plan.keeps_momentum else 0  # at outer momentum 0 no m exists anywhere (rounds/engine.py)
     own_momentum = 1 if plan.step.payload is Payload.PROPOSAL else 0
     return [
-        Copy("θ (the model's parameters)", "main", "persistent", weight_bytes, "model.py:load_model", bare=True),
+        Copy("θ (the model's parameters)", "main", "persistent", weight_bytes, "unit/model.py:load_model", bare=True),
         Copy("gradients of θ", "main", "momentary", weight_bytes,
-             "inner.py:InnerTrainer.train_step (backward; zero_grad(set_to_none) frees them)", bare=True),
+             "unit/inner.py:InnerTrainer.train_step (backward; zero_grad(set_to_none) frees them)", bare=True),
         Copy("AdamW exp_avg and exp_avg_sq", "main", "persistent", 2 * weight_bytes,
-             "inner.py:InnerTrainer.__init__ (torch.optim.AdamW, allocated at the first step)", bare=True),
+             "unit/inner.py:InnerTrainer.__init__ (torch.optim.AdamW, allocated at the first step)", bare=True),
         Copy("φ (global parameters)", "main", "persistent", FP32, "rounds/state.py:OuterState.__init__ (copy of θ)"),
         Copy("m (outer momentum; none at momentum 0)", "main", "persistent", FP32 * m,
              "rounds/state.py:OuterState._kept_momentum (zeros_like φ)"),
         Copy(f"fragment-round averagers' buffers ({plan.step.payload.copies}× the fragments, P={len(plan.fragments)})",
              "shared memory: main + each averager", "persistent", FP32 * plan.step.payload.copies,
-             "averaging.py:OuterAverager.__init__ (zeros_like of rounds/plan.py:RoundPlan.round_templates; hivemind "
-             "DecentralizedAverager.__init__: share_memory_)"),
+             "network/averaging.py:OuterAverager.__init__ (zeros_like of rounds/plan.py:RoundPlan.round_templates; "
+             "hivemind DecentralizedAverager.__init__: share_memory_)"),
         Copy("consensus averagers' buffers (φ_p flat per fragment)", "shared memory: main + each consensus averager",
              "persistent", FP32 if plan.consensus else 0.0,
              "peer.py:run_peer ← rounds/plan.py:RoundPlan.consensus_templates (lossy codecs only)"),
         Copy("state server's served copy (φ, and m)", "shared memory: main + the state server", "persistent",
-             FP32 * (1 + m), "state_sync.py:StateServer.__init__ (buffers), StateServer.publish (copy_ into them)"),
+             FP32 * (1 + m),
+             "network/state_sync.py:StateServer.__init__ (buffers), StateServer.publish (copy_ into them)"),
         Copy("error-feedback residuals", "main", "persistent", FP32 if plan.step.error_feedback else 0.0,
              "streaming.py:ErrorFeedback.update ← streaming.py:FragmentRounds.mark_sent (lossy codecs)"),
         Copy(f"the main process's pages inherited at each fork: θ, AdamW state, φ, m, freed buffer templates "
              f"({children} children: DHT, averagers, state server)", "each forked child", "persistent", 0.0,
-             "forking.py:dropped_in_forked_children (malloc_trim before the fork, MADV_DONTNEED in the child) ← "
+             "unit/forking.py:dropped_in_forked_children (malloc_trim before the fork, MADV_DONTNEED in the child) ← "
              "peer.py:unit_in_swarm"),
         Copy("θ_p at send", "main", "in flight", FP32 * s,
              "rounds/kinds.py:FragmentRound.begin (rounds/state.py:OuterState.read_local)"),
         Copy("own m'_p (the merge's m without sync_momentum)", "main", "in flight", FP32 * s * m * own_momentum,
              "streaming.py:FragmentRounds.payload, held by streaming.py:SentRound.momentum_proposal (the payload "
-             "itself is only in the averager's buffer: an alone round reads it back, averaging.py:"
+             "itself is only in the averager's buffer: an alone round reads it back, network/averaging.py:"
              "OuterAverager._buffers)"),
         Copy(("φ_p, m_p and Δ_p copies" if m else "φ_p and Δ_p copies") + (", the unused proposal" if lossy else ""),
              "main", "momentary",
@@ -99,16 +100,17 @@ def inventory(plan: RoundPlan, weight_bytes: int = FP32) -> list[Copy]:
              "streaming.py:FragmentRounds.payload (fragments.py:copies, diloco.py:pseudo_gradient, outer_step)"),
         Copy("decoded payload (lossy: what receivers decode, to update the residuals)", "main", "momentary",
              FP32 * s if plan.step.error_feedback else 0.0,
-             "streaming.py:FragmentRounds.mark_sent (compression.py:roundtrip)"),
+             "streaming.py:FragmentRounds.mark_sent (network/compression.py:roundtrip)"),
         Copy("merge: φ_p copy (plausibility check), θ_p copy, merged θ_p" + (", the outer step's φ_p, m_p"
                                                                              if lossy else ""),
              "main", "momentary", FP32 * s * ((4 + m) if lossy else 3),
              "rounds/kinds.py:FragmentRound.end, _merge (diloco.py:merge_local_progress, distance)"),
         Copy("eval: θ saved while φ is loaded", "main", "momentary", weight_bytes,
-             "inner.py:InnerTrainer.parameters_swapped ← unit.py:LearningUnit._evaluate"),
+             "unit/inner.py:InnerTrainer.parameters_swapped ← unit/unit.py:LearningUnit._evaluate"),
         Copy("checkpoint: θ copy (φ, m, AdamW state by reference; hashed in place; torch.save streams to the page "
              "cache)", "main", "momentary", FP32,
-             "unit.py:LearningUnit.save (inner.py:host_copies), checkpoint.py:save_checkpoint, payload_digest"),
+             "unit/unit.py:LearningUnit.save (unit/inner.py:host_copies), checkpoint.py:save_checkpoint, "
+             "payload_digest"),
         Copy("settle averager's buffer (φ flat), on top of the round averagers' (still mapped: the unit keeps them)",
              "shared memory: main + a new child", "exit", FP32,
              "peer.py:_settle_averager ← rounds/departure.py:Departure._start_settle_averager"),
@@ -116,19 +118,20 @@ def inventory(plan: RoundPlan, weight_bytes: int = FP32) -> list[Copy]:
              "rounds/kinds.py:Settle.payload (streaming.py:flatten_pieces)"),
         Copy("the main process's pages inherited by the settle averager (forked at exit from the whole main "
              "process)", "the settle averager", "exit", 0.0,
-             "forking.py:dropped_in_forked_children ← peer.py:_settle_averager, rounds/departure.py:Departure.leave"),
+             "unit/forking.py:dropped_in_forked_children ← peer.py:_settle_averager, "
+             "rounds/departure.py:Departure.leave"),
         Copy("a round's end: the buffer's clone (the group's average, or alone what was sent; + mean − sent in "
              "consensus and settle rounds)", "main", "momentary", FP32 * s * plan.step.payload.copies,
-             "averaging.py:OuterAverager._buffers ← poll"),
+             "network/averaging.py:OuterAverager._buffers ← poll"),
         Copy("all-reduce: one averaged tensor at a time and per-part buffers", "each averager", "not alone",
              0.0, "hivemind averaging/partition.py:TensorPartContainer.iterate_output_tensors (torch.cat per tensor)"),
         Copy("serving a joiner: a snapshot of φ (and m)", "the state server", "not alone", FP32 * (1 + m),
-             "state_sync.py:_SnapshotAverager.get_current_state (clone)"),
+             "network/state_sync.py:_SnapshotAverager.get_current_state (clone)"),
         Copy("joining by download: φ (and m) through the pipe, then validated clones", "main", "not alone",
              2 * FP32 * (1 + m),
-             "state_sync.py:_SnapshotAverager.fetch_state, StateServer._validated"),
+             "network/state_sync.py:_SnapshotAverager.fetch_state, StateServer._validated"),
         Copy("export with --save-dir: θ saved, safetensors bytes", "main", "not alone", weight_bytes + FP32,
-             "unit.py:LearningUnit.finish → model.py:export_pretrained"),
+             "unit/unit.py:LearningUnit.finish → unit/model.py:export_pretrained"),
     ]  # fmt: skip
 
 

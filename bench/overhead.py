@@ -32,13 +32,13 @@ import torch
 from bench import lab_environment, module_command
 from bench.training import TrainingSetup
 from p2p_diloco.config import PeerConfig, add_config_arguments, load_config
-from p2p_diloco.data import load_text_data, shard_seed
-from p2p_diloco.events import InnerStep, OuterRound, read_events
-from p2p_diloco.inner import InnerTrainer
-from p2p_diloco.launcher import CLI, spawn, stop_process_groups
 from p2p_diloco.lifecycle import descendant_pids
-from p2p_diloco.metrics import MetricsLog
-from p2p_diloco.model import load_model
+from p2p_diloco.ops.launcher import CLI, spawn, stop_process_groups
+from p2p_diloco.unit.data import load_text_data, shard_seed
+from p2p_diloco.unit.events import InnerStep, OuterRound, read_events
+from p2p_diloco.unit.inner import InnerTrainer
+from p2p_diloco.unit.metrics import MetricsLog
+from p2p_diloco.unit.model import load_model
 
 NEVER = 10**6  # steps between evals, rounds between checkpoints: none within a measured run
 RUN_TIMEOUT_S = 1800.0

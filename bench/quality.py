@@ -1,6 +1,6 @@
 """Model quality at equal tokens: M learning units in one process, no network, through the unit's own code.
 
-Every DiLoCo method runs M :class:`~p2p_diloco.unit.LearningUnit`\\ s (inner AdamW and its schedule, the round
+Every DiLoCo method runs M :class:`~p2p_diloco.unit.unit.LearningUnit`\\ s (inner AdamW and its schedule, the round
 engine: outer step, merge rule, fragments, codecs with error feedback, the overlap rule) in lockstep: each tick every
 unit takes one inner step, begins the rounds that are due, and merges the outcomes that arrived. Only the swarm is
 replaced, by :class:`LocalSwarm`: who averages with whom in each round is drawn from a seed (a unit alone with
@@ -30,17 +30,17 @@ from typing import Any, Literal
 
 import torch
 
-from p2p_diloco.compression import roundtrip
 from p2p_diloco.config import Codec, PeerConfig, load_config
-from p2p_diloco.data import TextData, load_text_data, shard_seed
 from p2p_diloco.diloco import probe_drift
-from p2p_diloco.inner import InnerTrainer
-from p2p_diloco.metrics import MetricsLog
-from p2p_diloco.model import export_pretrained, load_model, round_plan
-from p2p_diloco.records import PeerProgress, PendingProgress
+from p2p_diloco.network.compression import roundtrip
+from p2p_diloco.network.records import PeerProgress, PendingProgress
+from p2p_diloco.network.state_sync import SwarmState
 from p2p_diloco.rounds.averager import RoundOutcome, check_round_request
-from p2p_diloco.state_sync import SwarmState
-from p2p_diloco.unit import LearningUnit, UnitNetwork
+from p2p_diloco.unit.data import TextData, load_text_data, shard_seed
+from p2p_diloco.unit.inner import InnerTrainer
+from p2p_diloco.unit.metrics import MetricsLog
+from p2p_diloco.unit.model import export_pretrained, load_model, round_plan
+from p2p_diloco.unit.unit import LearningUnit, UnitNetwork
 
 Kind = Literal["data-parallel", "diloco"]
 

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from bench.chaos.namespaces import PUBLIC_SUBNET, Namespaces
 from bench.swarm import QUICK_UNIT_FLAGS, Swarm
-from p2p_diloco.events import Join, OuterRound
+from p2p_diloco.unit.events import Join, OuterRound
 
 ARMS = ("direct", "client", "relayed", "relayed pair")
 UNITS = ("unit0", "unit1")

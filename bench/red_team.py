@@ -20,16 +20,17 @@ from typing import Any
 import hivemind
 import torch
 
-from p2p_diloco import cli, reducer, streaming
-from p2p_diloco.averaging import OuterAverager
+from p2p_diloco import cli, streaming
 from p2p_diloco.config import NetworkSection
-from p2p_diloco.dht import ensure_identity, identity_peer_id, peer_identity, start_dht, visible_multiaddrs
-from p2p_diloco.members import MAX_ROUND_LEAD
-from p2p_diloco.membership import Admission, load_identity_key
-from p2p_diloco.records import DonorRecord, PeerProgress, SwarmRecords, record_validators
-from p2p_diloco.relays import CLIENT
+from p2p_diloco.network import reducer
+from p2p_diloco.network.averaging import OuterAverager
+from p2p_diloco.network.dht import ensure_identity, identity_peer_id, peer_identity, start_dht, visible_multiaddrs
+from p2p_diloco.network.members import MAX_ROUND_LEAD
+from p2p_diloco.network.membership import Admission, load_identity_key
+from p2p_diloco.network.records import DonorRecord, PeerProgress, SwarmRecords, record_validators
+from p2p_diloco.network.relays import CLIENT
+from p2p_diloco.network.state_sync import StateServer, SwarmState
 from p2p_diloco.robust import BoundedMean, bounded_mean
-from p2p_diloco.state_sync import StateServer, SwarmState
 
 GatherRewrite = Callable[[dict[str, Any]], dict[str, Any]]
 

@@ -35,7 +35,7 @@ import torch
 from bench.process_memory import sample_tree
 from bench.swarm import Swarm
 from p2p_diloco.checkpoint import load_checkpoint
-from p2p_diloco.events import (
+from p2p_diloco.unit.events import (
     ConsensusRound,
     Eval,
     InnerStep,

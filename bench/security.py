@@ -18,9 +18,9 @@ from typing import Any
 from bench.red_team import admitted_flags, red_team_cli
 from bench.scale import _final_phi, pairwise
 from bench.swarm import Swarm
-from p2p_diloco.dht import ensure_identity
-from p2p_diloco.events import ConsensusRound, Eval, InnerStep, OuterRound, OuterRoundFailed, Stop, read_events
-from p2p_diloco.launcher import CLI
+from p2p_diloco.network.dht import ensure_identity
+from p2p_diloco.ops.launcher import CLI
+from p2p_diloco.unit.events import ConsensusRound, Eval, InnerStep, OuterRound, OuterRoundFailed, Stop, read_events
 
 RUN_ID = "security"
 UNIT_FLAGS = ("--seq-len", "64", "--batch-size", "4", "--inner-steps", "10", "--join-timeout-s", "60",

@@ -18,9 +18,9 @@ from typing import TypeVar
 
 from bench.chaos import faults
 from bench.chaos.network import ChaosNetwork, Loopback
-from p2p_diloco.events import E, Join, OuterRound, read_events
-from p2p_diloco.launcher import CLI, bootstrap_command, join_command, spawn, start_bootstrap, stop_process_groups
 from p2p_diloco.lifecycle import descendant_pids, is_running
+from p2p_diloco.ops.launcher import CLI, bootstrap_command, join_command, spawn, start_bootstrap, stop_process_groups
+from p2p_diloco.unit.events import E, Join, OuterRound, read_events
 
 T = TypeVar("T")
 
@@ -113,7 +113,7 @@ class Swarm:
 
     # ---------------------------------------------------------------------------------------------- logs
     def events(self, name: str, kind: type[E], after: float = 0.0) -> list[E]:
-        """Node ``name``'s events of ``kind`` (p2p_diloco/events.py) written after unix time ``after``."""
+        """Node ``name``'s events of ``kind`` (p2p_diloco/unit/events.py) written after unix time ``after``."""
         return [event for event in read_events(self.root / name / "metrics.jsonl", kind) if event.time > after]
 
     def rounds(self, name: str, after: float = 0.0) -> list[OuterRound]:

@@ -36,11 +36,11 @@ import torch
 import transformers
 
 from p2p_diloco.config import SwarmSections, swarm_sections
-from p2p_diloco.inner import InnerTrainer, StepStats
 from p2p_diloco.lifecycle import ensure_fork_start_method, ensure_orphan_reaper
-from p2p_diloco.model import LoadedModel, model_fingerprint
 from p2p_diloco.peer import unit_in_swarm
-from p2p_diloco.unit import LearningUnit
+from p2p_diloco.unit.inner import InnerTrainer, StepStats
+from p2p_diloco.unit.model import LoadedModel, model_fingerprint
+from p2p_diloco.unit.unit import LearningUnit
 
 
 class DiLoCo:

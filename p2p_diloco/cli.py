@@ -91,7 +91,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _start_logging(args: argparse.Namespace) -> None:
     """Logging to stderr at ``--log-level``; called once the input is validated (it imports hivemind)."""
-    from p2p_diloco.metrics import configure_logging
+    from p2p_diloco.unit.metrics import configure_logging
 
     configure_logging(args.log_level)
 
@@ -99,8 +99,8 @@ def _start_logging(args: argparse.Namespace) -> None:
 def _bootstrap(args: argparse.Namespace) -> int:
     network = load_network_section(args)
     _start_logging(args)
-    from p2p_diloco.bootstrap_node import run_bootstrap
     from p2p_diloco.lifecycle import install_stop_signals
+    from p2p_diloco.ops.bootstrap_node import run_bootstrap
 
     return run_bootstrap(network, stop=install_stop_signals())
 
@@ -122,7 +122,7 @@ def _join(args: argparse.Namespace) -> int:
     if launched():
         die_with_launcher()  # before the heavy imports: a rank never outlives its launcher
     from p2p_diloco.peer import run_peer
-    from p2p_diloco.ranks import launch_ranks
+    from p2p_diloco.unit.ranks import launch_ranks
 
     if config.run.nproc_per_node > 1 and not launched():
         return launch_ranks(config.run.nproc_per_node, config.run.max_restarts, config.model.device, args.argv)
@@ -143,7 +143,7 @@ def _status(args: argparse.Namespace) -> int:
     network = load_network_section(args)
     _start_logging(args)
     from p2p_diloco.lifecycle import install_stop_signals
-    from p2p_diloco.status import run_status
+    from p2p_diloco.ops.status import run_status
 
     stop = install_stop_signals() if args.watch else None
     return run_status(network, as_json=args.json, watch_s=args.interval if args.watch else None, stop=stop)
@@ -152,34 +152,34 @@ def _status(args: argparse.Namespace) -> int:
 def _dashboard(args: argparse.Namespace) -> int:
     network = load_network_section(args)
     _start_logging(args)
-    from p2p_diloco.dashboard import run_dashboard
+    from p2p_diloco.ops.dashboard import run_dashboard
 
     return run_dashboard(network, host=args.host, port=args.port, interval_s=args.interval)
 
 
 def _export(args: argparse.Namespace) -> int:
     _start_logging(args)
-    from p2p_diloco.export import run_export
+    from p2p_diloco.ops.export import run_export
 
     return run_export(args.work_dir, args.out, adapter_only=args.adapter_only)
 
 
 def _run_key(args: argparse.Namespace) -> int:
     _start_logging(args)
-    from p2p_diloco.credentials import run_make_run_key
+    from p2p_diloco.ops.credentials import run_make_run_key
 
     return run_make_run_key(args.out)
 
 
 def _identity(args: argparse.Namespace) -> int:
     _start_logging(args)
-    from p2p_diloco.credentials import run_identity
+    from p2p_diloco.ops.credentials import run_identity
 
     return run_identity(args.identity_path)
 
 
 def _admit(args: argparse.Namespace) -> int:
-    from p2p_diloco.credentials import run_admit
+    from p2p_diloco.ops.credentials import run_admit
 
     network = load_network_section(argparse.Namespace(**{"network.run_id": args.run_id}))
     _start_logging(args)
@@ -187,7 +187,7 @@ def _admit(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from p2p_diloco.demo import run_demo
+    from p2p_diloco.ops.demo import run_demo
 
     if args.peers < 1 or args.duration <= 0:
         raise ConfigError("--peers must be >= 1 and --duration > 0")

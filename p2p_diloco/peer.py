@@ -14,25 +14,25 @@ from pathlib import Path
 import hivemind
 import torch
 
-from p2p_diloco import events
-from p2p_diloco.averaging import OuterAverager
-from p2p_diloco.compression import hivemind_compression
 from p2p_diloco.config import Codec, PeerConfig, SwarmSections
-from p2p_diloco.data import TextData, load_text_data, shard_seed
-from p2p_diloco.dht import peer_identity, start_dht, stop_dht, visible_multiaddrs
-from p2p_diloco.forking import dropped_in_forked_children, module_tensors
-from p2p_diloco.inner import InnerTrainer
-from p2p_diloco.joining import JoinError
-from p2p_diloco.membership import MemberGate, MembershipError, load_run_access
-from p2p_diloco.metrics import MetricsLog
-from p2p_diloco.model import LoadedModel, load_model, round_plan
-from p2p_diloco.ranks import Ranks, join_ranks, rank_identity, theta_probe
-from p2p_diloco.reachability import reachability_of, serve_dial_back_checks
-from p2p_diloco.records import SwarmRecords, members_key, record_validators, run_record_keys
+from p2p_diloco.network.averaging import OuterAverager
+from p2p_diloco.network.compression import hivemind_compression
+from p2p_diloco.network.dht import peer_identity, start_dht, stop_dht, visible_multiaddrs
+from p2p_diloco.network.membership import MemberGate, MembershipError, load_run_access
+from p2p_diloco.network.reachability import reachability_of, serve_dial_back_checks
+from p2p_diloco.network.records import SwarmRecords, members_key, record_validators, run_record_keys
+from p2p_diloco.network.state_sync import StateServer
 from p2p_diloco.rounds.plan import KeySchema, RoundPlan
-from p2p_diloco.state_sync import StateServer
-from p2p_diloco.tracking import RoundLines, UnitReport, open_trackers, run_description, write_run_file
-from p2p_diloco.unit import LearningUnit, UnitNetwork
+from p2p_diloco.unit import events
+from p2p_diloco.unit.data import TextData, load_text_data, shard_seed
+from p2p_diloco.unit.forking import dropped_in_forked_children, module_tensors
+from p2p_diloco.unit.inner import InnerTrainer
+from p2p_diloco.unit.joining import JoinError
+from p2p_diloco.unit.metrics import MetricsLog
+from p2p_diloco.unit.model import LoadedModel, load_model, round_plan
+from p2p_diloco.unit.ranks import Ranks, join_ranks, rank_identity, theta_probe
+from p2p_diloco.unit.tracking import RoundLines, UnitReport, open_trackers, run_description, write_run_file
+from p2p_diloco.unit.unit import LearningUnit, UnitNetwork
 
 SETTLE_GROUP_SIZE = 256  # the largest target group the configuration allows
 

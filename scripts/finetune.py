@@ -28,7 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the laboratory, bench/, lives in the checkout
 
 from bench.swarm import Swarm  # noqa: E402
-from p2p_diloco.events import Eval  # noqa: E402
+from p2p_diloco.unit.events import Eval  # noqa: E402
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -40,7 +40,7 @@ from bench.security import (  # noqa: E402
     run_cost,
     run_variant,
 )
-from p2p_diloco.launcher import CLI  # noqa: E402
+from p2p_diloco.ops.launcher import CLI  # noqa: E402
 
 
 def _parser() -> argparse.ArgumentParser:

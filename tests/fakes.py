@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 import torch
 
 from p2p_diloco.diloco import probe_drift, weighted_average
-from p2p_diloco.records import PeerProgress, PendingProgress
+from p2p_diloco.network.records import PeerProgress, PendingProgress
+from p2p_diloco.network.state_sync import SwarmState
 from p2p_diloco.rounds.averager import RoundOutcome, check_round_request
-from p2p_diloco.state_sync import SwarmState
 
 
 def clone_all(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:

@@ -8,10 +8,10 @@ from pathlib import Path
 
 from bench.swarm import QUICK_UNIT_FLAGS, Swarm, wait_until
 from p2p_diloco.config import NetworkSection
-from p2p_diloco.dht import peer_identity, start_dht, stop_dht, visible_multiaddrs
 from p2p_diloco.lifecycle import is_running, kill_process_tree
-from p2p_diloco.membership import RunAccess
-from p2p_diloco.records import SwarmRecords, record_validators
+from p2p_diloco.network.dht import peer_identity, start_dht, stop_dht, visible_multiaddrs
+from p2p_diloco.network.membership import RunAccess
+from p2p_diloco.network.records import SwarmRecords, record_validators
 
 RUN_ID = "test"
 

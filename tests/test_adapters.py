@@ -14,12 +14,12 @@ from swarms import close_leaving_nothing, quick_swarm
 from transformers import AutoModelForCausalLM
 
 import p2p_diloco
-from p2p_diloco.adapters import AdapterError
 from p2p_diloco.checkpoint import load_checkpoint
 from p2p_diloco.config import ConfigError, InnerSection, ModelSection, load_config
-from p2p_diloco.events import Join, Stop
-from p2p_diloco.inner import InnerTrainer
-from p2p_diloco.model import LoadedModel, export_pretrained, load_model
+from p2p_diloco.unit.adapters import AdapterError
+from p2p_diloco.unit.events import Join, Stop
+from p2p_diloco.unit.inner import InnerTrainer
+from p2p_diloco.unit.model import LoadedModel, export_pretrained, load_model
 
 TINY = Path(p2p_diloco.__file__).parent / "assets" / "tiny-gpt2"
 

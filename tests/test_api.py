@@ -13,9 +13,9 @@ from transformers import AutoModelForCausalLM, TrainerControl, TrainerState, Tra
 
 from p2p_diloco.api import DiLoCoCallback
 from p2p_diloco.config import ConfigError, SwarmSections, swarm_sections
-from p2p_diloco.events import Eval, Join
-from p2p_diloco.inner import InnerTrainer
-from p2p_diloco.launcher import spawn
+from p2p_diloco.ops.launcher import spawn
+from p2p_diloco.unit.events import Eval, Join
+from p2p_diloco.unit.inner import InnerTrainer
 
 EXAMPLES = Path(__file__).parent.parent / "examples"
 LOOPS = {"a": EXAMPLES / "train_loop.py", "b": EXAMPLES / "hf_trainer.py"}

@@ -16,12 +16,12 @@ import pytest
 import torch
 from swarms import record_peers
 
-from p2p_diloco import reducer
-from p2p_diloco.averaging import STUCK_MARGIN_S, TENSOR_LOCK_WAIT_S, OuterAverager
-from p2p_diloco.dht import stop_dht
-from p2p_diloco.gated import MAX_OFFENCES, OFFENCE_WINDOW, GatedAverager
-from p2p_diloco.membership import MemberGate
-from p2p_diloco.reducer import OFFENCE_RELATIVE, SenderVerdict
+from p2p_diloco.network import reducer
+from p2p_diloco.network.averaging import STUCK_MARGIN_S, TENSOR_LOCK_WAIT_S, OuterAverager
+from p2p_diloco.network.dht import stop_dht
+from p2p_diloco.network.gated import MAX_OFFENCES, OFFENCE_WINDOW, GatedAverager
+from p2p_diloco.network.membership import MemberGate
+from p2p_diloco.network.reducer import OFFENCE_RELATIVE, SenderVerdict
 from p2p_diloco.robust import BoundedMean, bounded_mean
 from p2p_diloco.rounds.averager import RoundOutcome
 
@@ -171,7 +171,7 @@ def test_an_all_reduce_with_parts_missing_names_the_members_that_did_not_deliver
     log = tmp_path / "reducer.log"
     handler = logging.FileHandler(log)  # the forked averager processes inherit it
     handler.setFormatter(logging.Formatter("%(process)d %(message)s"))
-    logging.getLogger("p2p_diloco.reducer").addHandler(handler)
+    logging.getLogger("p2p_diloco.network.reducer").addHandler(handler)
     size = 400_000  # several parts of hivemind's 512 KiB: every member reduces a slice
     try:
         with record_peers(3) as peers:
@@ -191,7 +191,7 @@ def test_an_all_reduce_with_parts_missing_names_the_members_that_did_not_deliver
                 for averager in averagers:
                     averager.shutdown()
     finally:
-        logging.getLogger("p2p_diloco.reducer").removeHandler(handler)
+        logging.getLogger("p2p_diloco.network.reducer").removeHandler(handler)
         handler.close()
     naming = [line for line in log.read_text().splitlines() if "parts missing" in line and stalled in line]
     assert len(naming) >= 2, log.read_text()  # both honest members (the stalled one logs its own view)

@@ -22,9 +22,9 @@ from bench.events import JobStart, RankCheckpoint, RankEval, RankFailed, RankSta
 from bench.swarm import wait_until
 from bench.training import TrainingSetup
 from p2p_diloco.config import InnerSection
-from p2p_diloco.events import E, read_events
-from p2p_diloco.inner import InnerTrainer
 from p2p_diloco.lifecycle import descendant_pids, is_running
+from p2p_diloco.unit.events import E, read_events
+from p2p_diloco.unit.inner import InnerTrainer
 
 
 # ------------------------------------------------------------------------------------ goodput reconstruction

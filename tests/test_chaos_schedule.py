@@ -15,9 +15,9 @@ from bench.chaos.results import EvalPoint, MethodResult, UnitResult
 from bench.chaos.schedule import Fault, FaultRates, fraction_with_any_unit_down, poisson_schedule
 from bench.chaos.swarm_target import time_breakdown
 from bench.events import FaultAction
-from p2p_diloco.events import Join, read_events
-from p2p_diloco.goodput import LEDGER_FILE, GoodputLedger
-from p2p_diloco.metrics import MetricsLog
+from p2p_diloco.unit.events import Join, read_events
+from p2p_diloco.unit.goodput import LEDGER_FILE, GoodputLedger
+from p2p_diloco.unit.metrics import MetricsLog
 
 RATES = FaultRates(crash_mtbf_s=60, recovery_s=10, straggler_mtbf_s=120, straggler_s=5, bootstrap_crash_at_s=50)
 

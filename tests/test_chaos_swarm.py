@@ -16,8 +16,8 @@ from swarms import close_leaving_nothing, quick_swarm
 from test_swarm import HEALED_DRIFT_BOUND, assert_joined_from_swarm
 
 from bench.swarm import Swarm
-from p2p_diloco.events import InnerStep, OuterRound, OuterRoundBegin, OuterRoundFailed, read_events
 from p2p_diloco.lifecycle import is_running
+from p2p_diloco.unit.events import InnerStep, OuterRound, OuterRoundBegin, OuterRoundFailed, read_events
 
 pytestmark = pytest.mark.swarm
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from swarms import close_leaving_nothing, quick_swarm
 
-from p2p_diloco.events import Join
 from p2p_diloco.presets import CORPUS, TINY_MODEL
+from p2p_diloco.unit.events import Join
 
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
 UNREACHABLE = "/ip4/127.0.0.1/tcp/9/p2p/QmTabXVwgtEVWSWAHrsg2eYXD65Laf44CqQh96Hpmjd4UB"

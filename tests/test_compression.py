@@ -8,8 +8,14 @@ import pytest
 import torch
 from hivemind.compression import NoCompression, ScaledFloat16Compression, Uniform8BitQuantization
 
-from p2p_diloco.compression import INT8_GAUSSIAN_REL_L2, error_bound, hivemind_compression, roundtrip, serialized_bytes
 from p2p_diloco.config import CODECS, Codec
+from p2p_diloco.network.compression import (
+    INT8_GAUSSIAN_REL_L2,
+    error_bound,
+    hivemind_compression,
+    roundtrip,
+    serialized_bytes,
+)
 from p2p_diloco.streaming import ErrorFeedback
 
 SHAPES = [(), (1,), (2,), (7,), (1000,), (37, 29), (4, 5, 6), (100_000,)]

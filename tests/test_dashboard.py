@@ -21,7 +21,7 @@ import pytest
 from swarms import close_leaving_nothing, quick_swarm
 
 from bench.swarm import Swarm
-from p2p_diloco.events import Eval, Join, Stop
+from p2p_diloco.unit.events import Eval, Join, Stop
 
 pytestmark = pytest.mark.swarm
 

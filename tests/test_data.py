@@ -16,7 +16,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 import p2p_diloco
 from p2p_diloco.config import DataSection
-from p2p_diloco.data import DataPosition, DatasetLoadError, is_held_out, load_text_data
+from p2p_diloco.unit.data import DataPosition, DatasetLoadError, is_held_out, load_text_data
 
 ASSETS = Path(p2p_diloco.__file__).parent / "assets"
 MOBY_DICK = ASSETS / "corpus" / "moby_dick.txt"

@@ -18,7 +18,8 @@ from hivemind.p2p import P2P, PeerID
 
 from bench.swarm import wait_until
 from p2p_diloco.config import NetworkSection
-from p2p_diloco.dht import (
+from p2p_diloco.lifecycle import descendant_pids, group_pids, hivemind_sockets, is_running
+from p2p_diloco.network.dht import (
     NetworkError,
     count_routing_peers,
     ensure_identity,
@@ -28,8 +29,7 @@ from p2p_diloco.dht import (
     validate_multiaddrs,
     visible_multiaddrs,
 )
-from p2p_diloco.lifecycle import descendant_pids, group_pids, hivemind_sockets, is_running
-from p2p_diloco.relays import CLIENT
+from p2p_diloco.network.relays import CLIENT
 
 pytestmark = pytest.mark.swarm
 
@@ -156,7 +156,7 @@ def test_second_node_joins_and_sees_the_first(dhts):
 BOOTSTRAP_SCRIPT = textwrap.dedent(
     """
     import logging, sys
-    from p2p_diloco.bootstrap_node import run_bootstrap
+    from p2p_diloco.ops.bootstrap_node import run_bootstrap
     from p2p_diloco.config import NetworkSection
 
     logging.basicConfig(level=logging.INFO)

@@ -14,7 +14,7 @@ from swarms import close_leaving_nothing, quick_swarm
 from transformers import AutoModelForCausalLM
 
 from p2p_diloco.checkpoint import load_checkpoint
-from p2p_diloco.events import OuterRound
+from p2p_diloco.unit.events import OuterRound
 
 pytestmark = pytest.mark.swarm
 

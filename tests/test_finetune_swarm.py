@@ -12,10 +12,10 @@ from swarms import close_leaving_nothing, quick_swarm
 
 from bench.quality import Budget, pretrain
 from p2p_diloco.config import DataSection, InnerSection, ModelSection
-from p2p_diloco.data import load_text_data
-from p2p_diloco.inner import InnerTrainer
-from p2p_diloco.model import load_model
 from p2p_diloco.presets import CORPUS
+from p2p_diloco.unit.data import load_text_data
+from p2p_diloco.unit.inner import InnerTrainer
+from p2p_diloco.unit.model import load_model
 
 pytestmark = pytest.mark.swarm
 

@@ -11,7 +11,7 @@ import platform
 import pytest
 import torch
 
-from p2p_diloco.forking import dropped_in_forked_children
+from p2p_diloco.unit.forking import dropped_in_forked_children
 
 pytestmark = pytest.mark.skipif(
     platform.system() != "Linux" or platform.libc_ver()[0] != "glibc" or ctypes.util.find_library("c") is None,

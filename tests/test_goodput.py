@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from p2p_diloco.goodput import LEDGER_FILE, GoodputLedger
+from p2p_diloco.unit.goodput import LEDGER_FILE, GoodputLedger
 
 
 def test_a_missing_ledger_is_created_and_saved(tmp_path: Path) -> None:
@@ -37,7 +37,7 @@ def test_an_invalid_ledger_starts_fresh_with_a_warning(
 ) -> None:
     path = tmp_path / LEDGER_FILE
     path.write_bytes(content)
-    with caplog.at_level(logging.WARNING, logger="p2p_diloco.goodput"):
+    with caplog.at_level(logging.WARNING, logger="p2p_diloco.unit.goodput"):
         ledger = GoodputLedger.load_or_create(path, now=42.0)
     assert ledger == GoodputLedger(allocated_since=42.0, starts=1)
     assert "goodput ledger unreadable" in caplog.text and str(path) in caplog.text

@@ -22,7 +22,7 @@ PEER_SCRIPT = textwrap.dedent(
     """
     import json, os, sys, threading
     from p2p_diloco.config import NetworkSection
-    from p2p_diloco.dht import start_dht
+    from p2p_diloco.network.dht import start_dht
     from p2p_diloco.lifecycle import children_group, descendant_pids, install_stop_signals, start_orphan_reaper
 
     stop = install_stop_signals()

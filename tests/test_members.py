@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from p2p_diloco.members import MAX_ROUND_LEAD, MAX_TAG_CHARS, MemberInfo, read_member
+from p2p_diloco.network.members import MAX_ROUND_LEAD, MAX_TAG_CHARS, MemberInfo, read_member
 
 HONEST = {"outer_round": 7, "weight": 256.0, "probe": [0.5, -1.0, 2.0], "tag": "fragment", "period": 4.0}
 

@@ -17,9 +17,8 @@ from test_cli_errors import assert_user_error, flags, join
 from test_records import progress
 
 from bench.swarm import wait_until
-from p2p_diloco.credentials import check_peer_id
-from p2p_diloco.dht import ensure_identity, identity_peer_id
-from p2p_diloco.membership import (
+from p2p_diloco.network.dht import ensure_identity, identity_peer_id
+from p2p_diloco.network.membership import (
     Admission,
     MemberGate,
     MembershipError,
@@ -28,7 +27,8 @@ from p2p_diloco.membership import (
     load_run_access,
     peer_id_of,
 )
-from p2p_diloco.records import members_key
+from p2p_diloco.network.records import members_key
+from p2p_diloco.ops.credentials import check_peer_id
 
 RUN_ID = "private-test"
 LOCAL = ["/ip4/127.0.0.1/tcp/0"]

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from p2p_diloco.events import Eval, Event, InnerStep, read_events
-from p2p_diloco.metrics import MetricsLog, ProgressBars, Throughput, configure_logging
+from p2p_diloco.unit.events import Eval, Event, InnerStep, read_events
+from p2p_diloco.unit.metrics import MetricsLog, ProgressBars, Throughput, configure_logging
 
 
 def _lines(path: Path) -> list[dict[str, object]]:

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import p2p_diloco
 from p2p_diloco.config import ModelSection
-from p2p_diloco.model import (
+from p2p_diloco.unit.model import (
     ModelLoadError,
     embedding_indices,
     export_pretrained,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from bench.overhead import Repeat, RunTiming, Snapshot, markdown, summary, timing
-from p2p_diloco.events import InnerStep, OuterRound
+from p2p_diloco.unit.events import InnerStep, OuterRound
 
 
 def step(number: int, at: float, seconds: float) -> InnerStep:

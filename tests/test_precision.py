@@ -12,8 +12,8 @@ from transformers import AutoModelForCausalLM
 
 import p2p_diloco
 from p2p_diloco.config import ConfigError, InnerSection, ModelSection, load_config
-from p2p_diloco.inner import InnerTrainer
-from p2p_diloco.model import LoadedModel, ModelLoadError, export_pretrained, load_model
+from p2p_diloco.unit.inner import InnerTrainer
+from p2p_diloco.unit.model import LoadedModel, ModelLoadError, export_pretrained, load_model
 
 TINY = Path(p2p_diloco.__file__).parent / "assets" / "tiny-gpt2"
 STEPS = 30

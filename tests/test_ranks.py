@@ -18,8 +18,8 @@ from transformers import AutoModelForCausalLM
 
 from bench.swarm import QUICK_UNIT_FLAGS, Swarm
 from p2p_diloco.checkpoint import load_checkpoint
-from p2p_diloco.events import Eval, Join, OuterRound, OuterRoundBegin, ReplicaProbe, Stop, read_events
 from p2p_diloco.lifecycle import descendant_pids, is_running
+from p2p_diloco.unit.events import Eval, Join, OuterRound, OuterRoundBegin, ReplicaProbe, Stop, read_events
 
 pytestmark = pytest.mark.swarm
 

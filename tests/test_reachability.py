@@ -17,12 +17,12 @@ from swarms import close_leaving_nothing
 
 from bench.chaos.namespaces import PUBLIC_SUBNET, NamespaceError, Namespaces
 from bench.swarm import QUICK_UNIT_FLAGS, Swarm
-from p2p_diloco.bootstrap_node import run_bootstrap
 from p2p_diloco.config import NetworkSection
-from p2p_diloco.dht import NetworkError
-from p2p_diloco.events import Join
-from p2p_diloco.reachability import MAX_DIAL_BACK_ADDRESSES, dial_back_addresses, reachability_of
-from p2p_diloco.relays import CLIENT, DIRECT, Reachability, relay_candidates, use_static_relays
+from p2p_diloco.network.dht import NetworkError
+from p2p_diloco.network.reachability import MAX_DIAL_BACK_ADDRESSES, dial_back_addresses, reachability_of
+from p2p_diloco.network.relays import CLIENT, DIRECT, Reachability, relay_candidates, use_static_relays
+from p2p_diloco.ops.bootstrap_node import run_bootstrap
+from p2p_diloco.unit.events import Join
 
 ASKER = "12D3KooWSc2MxDuUQ9hy5vmrpLeEADkw24Jucrz4uYbcB8Kc3f8k"
 STRANGER = "12D3KooWGkLon2PCgQvb9pLupPTKKmr2KpUMKAxcjddrJBqv4SQh"

@@ -13,12 +13,12 @@ from hivemind.utils import get_dht_time
 from swarms import record_peers
 
 from bench.swarm import wait_until
-from p2p_diloco import records
 from p2p_diloco.config import NetworkSection
-from p2p_diloco.dht import stop_dht, visible_multiaddrs
-from p2p_diloco.membership import RunAccess
-from p2p_diloco.records import PeerProgress, PendingProgress, SwarmRecords, in_phase
-from p2p_diloco.status import format_table, run_status
+from p2p_diloco.network import records
+from p2p_diloco.network.dht import stop_dht, visible_multiaddrs
+from p2p_diloco.network.membership import RunAccess
+from p2p_diloco.network.records import PeerProgress, PendingProgress, SwarmRecords, in_phase
+from p2p_diloco.ops.status import format_table, run_status
 
 pytestmark = pytest.mark.swarm
 
@@ -91,7 +91,7 @@ def test_unanswered_read_counts_as_empty(monkeypatch, caplog):
     pending = PendingProgress(never_answered, "key")
     assert pending.poll() is None
     monkeypatch.setattr(records, "DHT_TIMEOUT_S", 0.0)
-    with caplog.at_level(logging.WARNING, logger="p2p_diloco.records"):
+    with caplog.at_level(logging.WARNING, logger="p2p_diloco.network.records"):
         assert pending.poll() == {}
     assert "dht get failed key=key" in caplog.text
 
@@ -143,7 +143,7 @@ def test_publish_on_a_dead_dht_only_warns(swarm, caplog):
     a, _ = swarm
     (pa,) = ids(a)
     stop_dht(a.dht)
-    with caplog.at_level(logging.WARNING, logger="p2p_diloco.records"):
+    with caplog.at_level(logging.WARNING, logger="p2p_diloco.network.records"):
         a.publish_progress(progress(pa), wait=True)
         assert a.read_progress() == {}
         assert a.read_progress_soon().poll() in (None, {})

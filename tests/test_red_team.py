@@ -12,9 +12,9 @@ from swarms import close_leaving_nothing, quick_swarm
 from test_swarm import assert_joined_from_swarm
 
 from bench.red_team import FORGED_ROUND, admitted_flags, red_team_cli
-from p2p_diloco.dht import ensure_identity
-from p2p_diloco.events import Eval, LocalReset
-from p2p_diloco.members import MAX_ROUND_LEAD
+from p2p_diloco.network.dht import ensure_identity
+from p2p_diloco.network.members import MAX_ROUND_LEAD
+from p2p_diloco.unit.events import Eval, LocalReset
 
 pytestmark = pytest.mark.swarm
 

@@ -17,14 +17,14 @@ from fakes import FakeGroup, FaultPlan
 from swarms import record_peers
 
 import p2p_diloco.rounds
-from p2p_diloco.averaging import OuterAverager
 from p2p_diloco.config import ConfigError, OuterSection
 from p2p_diloco.diloco import OuterHyperparams
-from p2p_diloco.records import SwarmRecords
+from p2p_diloco.network.averaging import OuterAverager
+from p2p_diloco.network.records import SwarmRecords
+from p2p_diloco.network.state_sync import StateServer, SwarmState
 from p2p_diloco.rounds.engine import RoundEngine
 from p2p_diloco.rounds.plan import ConsensusRounds, Groups, RoundPlan, Window
 from p2p_diloco.rounds.results import RoundKind, RoundStatus
-from p2p_diloco.state_sync import StateServer, SwarmState
 from p2p_diloco.streaming import Payload
 
 SHAPES = [(64, 8), (8,), (16, 4)]

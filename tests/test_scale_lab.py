@@ -7,7 +7,7 @@ import torch
 
 from bench.scale import clusters, pairwise, percentile, timeline
 from bench.simulate import Matchmaker, SimAverager, SimSpec, Simulation
-from p2p_diloco.events import ModelProbe
+from p2p_diloco.unit.events import ModelProbe
 
 
 def test_distances_and_clusters_at_the_threshold() -> None:

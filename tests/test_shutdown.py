@@ -14,9 +14,9 @@ import pytest
 
 from bench.swarm import wait_until
 from p2p_diloco.checkpoint import load_checkpoint
-from p2p_diloco.events import Eval, InnerStep, OuterRound, Stop, read_events
 from p2p_diloco.lifecycle import descendant_pids, is_running
 from p2p_diloco.presets import CORPUS, TINY_MODEL
+from p2p_diloco.unit.events import Eval, InnerStep, OuterRound, Stop, read_events
 
 pytestmark = pytest.mark.swarm
 

@@ -13,11 +13,11 @@ from swarms import RUN_ID, record_peers
 
 from p2p_diloco.checkpoint import payload_digest
 from p2p_diloco.config import NetworkSection
-from p2p_diloco.dht import peer_identity, start_dht, stop_dht, visible_multiaddrs
-from p2p_diloco.membership import RunAccess
-from p2p_diloco.records import DonorRecord, SwarmRecords, record_validators
-from p2p_diloco.relays import CLIENT
-from p2p_diloco.state_sync import StateServer, SwarmState
+from p2p_diloco.network.dht import peer_identity, start_dht, stop_dht, visible_multiaddrs
+from p2p_diloco.network.membership import RunAccess
+from p2p_diloco.network.records import DonorRecord, SwarmRecords, record_validators
+from p2p_diloco.network.relays import CLIENT
+from p2p_diloco.network.state_sync import StateServer, SwarmState
 
 pytestmark = pytest.mark.swarm
 
@@ -60,7 +60,7 @@ def test_a_joiner_takes_the_state_two_donors_agree_on_over_a_fresher_poisoned_on
     honest.publish(state(0.5, 7))
     other.publish(state(0.5 + 1e-4, 7))
     poisoned.publish(state(1000.0, 8))  # fresher, so tried first
-    caplog.set_level("INFO", logger="p2p_diloco.state_sync")
+    caplog.set_level("INFO", logger="p2p_diloco.network.state_sync")
     downloaded = download_until(joiner, found=3)
     assert downloaded is not None and downloaded.fragment_rounds == [7] and downloaded.inner_step == 70
     assert abs(phi_value(downloaded) - 0.5) < 1e-3
@@ -152,7 +152,7 @@ def test_units_at_momentum_zero_serve_phi_alone_and_a_unit_with_momentum_takes_i
                 donors[0].publish(state(0.5, 7))  # a momentum where the server keeps none
             for donor in donors:
                 donor.publish(SwarmState(state(0.5, 7).global_params, [], [7], inner_step=70, tokens=4480))
-            caplog.set_level("INFO", logger="p2p_diloco.state_sync")
+            caplog.set_level("INFO", logger="p2p_diloco.network.state_sync")
             downloaded = download_until(joiner, found=2)
             assert downloaded is not None and downloaded.momentum == [] and phi_value(downloaded) == 0.5
             assert "corroborated" in caplog.text

@@ -8,10 +8,10 @@ import torch
 from fakes import FakeGroup, FaultPlan, clone_all
 from unit_peers import TOKENS_PER_STEP, Peer, PeerFactory, inner_step, maybe_begin, poll, sent_round
 
-from p2p_diloco.compression import roundtrip
 from p2p_diloco.diloco import merge_local_progress, outer_step, pseudo_gradient, weighted_average
-from p2p_diloco.events import ConsensusRound, OuterRound
 from p2p_diloco.fragments import copies
+from p2p_diloco.network.compression import roundtrip
+from p2p_diloco.unit.events import ConsensusRound, OuterRound
 
 STREAMING = dict(outer__fragments=2, outer__inner_steps=2, outer__max_in_flight=2)
 

@@ -12,8 +12,8 @@ import pytest
 from swarms import close_leaving_nothing, quick_swarm
 
 from bench.swarm import Swarm
-from p2p_diloco.events import Eval, Join, OuterRound, StateDownload
 from p2p_diloco.lifecycle import is_running
+from p2p_diloco.unit.events import Eval, Join, OuterRound, StateDownload
 
 pytestmark = pytest.mark.swarm
 

@@ -23,7 +23,7 @@ from swarms import close_leaving_nothing
 
 from bench.swarm import QUICK_UNIT_FLAGS, Swarm
 from p2p_diloco.checkpoint import load_checkpoint
-from p2p_diloco.events import ConsensusRound, Eval, Stop
+from p2p_diloco.unit.events import ConsensusRound, Eval, Stop
 
 pytestmark = pytest.mark.swarm
 UNITS = 6

@@ -11,9 +11,10 @@ from typing import Any
 
 import pytest
 
-from p2p_diloco import __version__, events
-from p2p_diloco.metrics import MetricsLog
-from p2p_diloco.tracking import (
+from p2p_diloco import __version__
+from p2p_diloco.unit import events
+from p2p_diloco.unit.metrics import MetricsLog
+from p2p_diloco.unit.tracking import (
     RoundLines,
     TensorBoardTracker,
     UnitReport,
@@ -32,7 +33,7 @@ def outer_round(**overrides: Any) -> events.OuterRound:
 
 
 def logged(caplog: pytest.LogCaptureFixture) -> list[str]:
-    return [record.getMessage() for record in caplog.records if record.name == "p2p_diloco.tracking"]
+    return [record.getMessage() for record in caplog.records if record.name == "p2p_diloco.unit.tracking"]
 
 
 def test_one_line_per_round_with_its_eval(caplog: pytest.LogCaptureFixture) -> None:

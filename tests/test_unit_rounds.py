@@ -34,7 +34,10 @@ from p2p_diloco.diloco import (
     pseudo_gradient,
     weighted_average,
 )
-from p2p_diloco.events import (
+from p2p_diloco.network.records import PeerProgress
+from p2p_diloco.network.state_sync import SwarmState
+from p2p_diloco.rounds.departure import Phase, settle_patience
+from p2p_diloco.unit.events import (
     ConsensusRound,
     LocalReset,
     OuterRound,
@@ -43,11 +46,8 @@ from p2p_diloco.events import (
     StateDownload,
     Stop,
 )
-from p2p_diloco.goodput import GoodputLedger
-from p2p_diloco.joining import JoinError
-from p2p_diloco.records import PeerProgress
-from p2p_diloco.rounds.departure import Phase, settle_patience
-from p2p_diloco.state_sync import SwarmState
+from p2p_diloco.unit.goodput import GoodputLedger
+from p2p_diloco.unit.joining import JoinError
 
 
 # ---------------------------------------------------------------------------------------------- helpers

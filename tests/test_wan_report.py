@@ -34,8 +34,8 @@ from bench.wan.report import (
     unit_span,
     write_report,
 )
-from p2p_diloco.events import Event, InnerStep, Stop
-from p2p_diloco.metrics import MetricsLog
+from p2p_diloco.unit.events import Event, InnerStep, Stop
+from p2p_diloco.unit.metrics import MetricsLog
 
 
 def result(method: str, curve: list[tuple[float, int, float]]) -> MethodResult:

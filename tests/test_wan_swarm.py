@@ -19,10 +19,10 @@ from bench.chaos.swarm_target import SwarmTarget
 from bench.swarm import Swarm
 from bench.training import TrainingSetup
 from p2p_diloco.config import load_config
-from p2p_diloco.events import ConsensusBegin, ConsensusRound, Eval, Join
 from p2p_diloco.fragments import Fragment, partition
-from p2p_diloco.model import load_model
 from p2p_diloco.presets import CORPUS, TINY_MODEL
+from p2p_diloco.unit.events import ConsensusBegin, ConsensusRound, Eval, Join
+from p2p_diloco.unit.model import load_model
 
 pytestmark = pytest.mark.swarm
 

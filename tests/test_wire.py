@@ -8,8 +8,8 @@ import hivemind
 import pytest
 from hivemind.utils import get_dht_time
 
-from p2p_diloco.dht import stop_dht
-from p2p_diloco.wire import WireBytes, WireCounter, parse_socket_stats
+from p2p_diloco.network.dht import stop_dht
+from p2p_diloco.network.wire import WireBytes, WireCounter, parse_socket_stats
 
 SAMPLE = (
     'ESTAB 0 0 127.0.0.1:35475 127.0.0.1:41699 users:(("p2pd",pid=21201,fd=14)) ino:931729 sk:1001 <->\n'

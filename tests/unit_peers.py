@@ -14,16 +14,16 @@ import torch
 from fakes import FakeAverager, FakeGroup, FakeRecords, FakeStateServer
 
 from p2p_diloco.config import PeerConfig, load_config
-from p2p_diloco.data import load_text_data, shard_seed
-from p2p_diloco.events import E, read_events
-from p2p_diloco.metrics import MetricsLog
-from p2p_diloco.model import load_model, round_plan
+from p2p_diloco.network.state_sync import SwarmState
 from p2p_diloco.presets import CORPUS, TINY_MODEL
 from p2p_diloco.rounds.engine import RoundEngine
 from p2p_diloco.rounds.results import RoundId, RoundKind
-from p2p_diloco.state_sync import SwarmState
 from p2p_diloco.streaming import SentRound
-from p2p_diloco.unit import LearningUnit, UnitNetwork
+from p2p_diloco.unit.data import load_text_data, shard_seed
+from p2p_diloco.unit.events import E, read_events
+from p2p_diloco.unit.metrics import MetricsLog
+from p2p_diloco.unit.model import load_model, round_plan
+from p2p_diloco.unit.unit import LearningUnit, UnitNetwork
 
 SEQ_LEN, BATCH_SIZE = 32, 2
 TOKENS_PER_STEP = SEQ_LEN * BATCH_SIZE

@@ -47,12 +47,12 @@ from torch.distributed import PrefixStore, ProcessGroupGloo, TCPStore
 from bench.events import RankCheckpoint, RankEval, RankFailed, RankStart, RankStep, RankStop
 from p2p_diloco.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 from p2p_diloco.config import DataSection, InnerSection, ModelSection, OuterSection
-from p2p_diloco.data import load_text_data, shard_seed
 from p2p_diloco.diloco import OuterHyperparams, outer_step, pseudo_gradient
-from p2p_diloco.inner import InnerTrainer, StepStats
 from p2p_diloco.lifecycle import install_stop_signals
-from p2p_diloco.metrics import MetricsLog
-from p2p_diloco.model import load_model
+from p2p_diloco.unit.data import load_text_data, shard_seed
+from p2p_diloco.unit.inner import InnerTrainer, StepStats
+from p2p_diloco.unit.metrics import MetricsLog
+from p2p_diloco.unit.model import load_model
 
 MODES = ("sync-dp", "sync-diloco")
 CHECKPOINT_FILE = "checkpoint.pt"

@@ -34,8 +34,8 @@ from bench.chaos.swarm_target import SwarmTarget
 from bench.chaos.target import ChaosTarget
 from bench.events import MethodStart
 from bench.training import TrainingSetup
-from p2p_diloco.events import read_events
-from p2p_diloco.metrics import MetricsLog
+from p2p_diloco.unit.events import read_events
+from p2p_diloco.unit.metrics import MetricsLog
 
 logger = logging.getLogger(__name__)
 

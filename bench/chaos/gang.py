@@ -54,9 +54,9 @@ from bench.events import (
     UnitExit,
 )
 from bench.training import TrainingSetup
-from p2p_diloco.events import Event, read_events
-from p2p_diloco.launcher import spawn
-from p2p_diloco.metrics import MetricsLog
+from p2p_diloco.ops.launcher import spawn
+from p2p_diloco.unit.events import Event, read_events
+from p2p_diloco.unit.metrics import MetricsLog
 
 logger = logging.getLogger(__name__)
 

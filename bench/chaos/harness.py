@@ -18,7 +18,7 @@ from bench.chaos.results import MethodResult
 from bench.chaos.schedule import Fault
 from bench.chaos.target import ChaosTarget
 from bench.events import FaultAction, MethodBudgetOver, MethodFinished, MethodStart
-from p2p_diloco.metrics import MetricsLog
+from p2p_diloco.unit.metrics import MetricsLog
 
 logger = logging.getLogger(__name__)
 

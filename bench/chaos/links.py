@@ -12,8 +12,8 @@ from types import TracebackType
 from typing import Protocol
 
 from bench.events import LinkBytes
-from p2p_diloco.events import read_events
-from p2p_diloco.metrics import MetricsLog
+from p2p_diloco.unit.events import read_events
+from p2p_diloco.unit.metrics import MetricsLog
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ import subprocess
 PRIVATE_SUBNET = "10.78.0"
 PUBLIC_SUBNET = "44.78.0"
 """Addresses libp2p takes for public ones: its AutoNAT dials back only public addresses, so only a relay node on them
-is found public and relays bulk data (p2p_diloco/relays.py). Nothing outside the namespaces routes to them."""
+is found public and relays bulk data (p2p_diloco/network/relays.py). Nothing outside the namespaces routes to them."""
 
 # tbf parameters. The bucket (burst) holds 5 ms of traffic at the rate, which covers a 250 Hz timer tick
 # (burst >= rate/HZ), and at least 16 KiB (about 10 full-size frames; a GSO segment larger than the bucket is split by

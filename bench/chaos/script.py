@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from p2p_diloco.metrics import configure_logging
+from p2p_diloco.unit.metrics import configure_logging
 
 Config = TypeVar("Config")
 

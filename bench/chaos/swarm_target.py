@@ -18,9 +18,9 @@ from bench.chaos.results import EvalPoint, MethodResult, UnitResult
 from bench.events import FaultAction, UnitExit, UnitRestart
 from bench.swarm import Swarm
 from bench.training import TrainingSetup
-from p2p_diloco.events import Eval, InnerStep, Join, OuterRound, StateDownload, read_events
-from p2p_diloco.goodput import LEDGER_FILE, GoodputLedger
-from p2p_diloco.metrics import MetricsLog
+from p2p_diloco.unit.events import Eval, InnerStep, Join, OuterRound, StateDownload, read_events
+from p2p_diloco.unit.goodput import LEDGER_FILE, GoodputLedger
+from p2p_diloco.unit.metrics import MetricsLog
 
 logger = logging.getLogger(__name__)
 

@@ -37,8 +37,8 @@ from bench.training import TrainingSetup
 from bench.wan.report import LINKS_FILE, QUALITY_REFERENCE, write_report
 from p2p_diloco.config import OuterSection
 from p2p_diloco.errors import UserError
-from p2p_diloco.events import read_events
-from p2p_diloco.metrics import MetricsLog
+from p2p_diloco.unit.events import read_events
+from p2p_diloco.unit.metrics import MetricsLog
 
 logger = logging.getLogger(__name__)
 

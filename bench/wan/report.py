@@ -33,7 +33,7 @@ from bench.chaos.report import (  # noqa: E402
 )
 from bench.chaos.results import MethodResult  # noqa: E402
 from bench.events import LinkBytes, RankStep  # noqa: E402
-from p2p_diloco.events import InnerStep, Stop, read_events  # noqa: E402
+from p2p_diloco.unit.events import InnerStep, Stop, read_events  # noqa: E402
 
 BASELINE = "sync-dp"
 # sync-dp on 127.0.0.1 without a rate limit: the same math as sync-dp, so the same eval loss per token, reached at token

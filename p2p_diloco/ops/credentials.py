@@ -16,8 +16,8 @@ from pathlib import Path
 
 import base58
 
-from p2p_diloco.dht import NetworkError, ensure_identity, identity_peer_id
-from p2p_diloco.membership import Admission, MembershipError, load_identity_key, peer_id_of
+from p2p_diloco.network.dht import NetworkError, ensure_identity, identity_peer_id
+from p2p_diloco.network.membership import Admission, MembershipError, load_identity_key, peer_id_of
 
 SHA256_MULTIHASH = bytes([0x12, 0x20])
 

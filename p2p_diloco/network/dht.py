@@ -19,6 +19,7 @@ import hivemind
 from hivemind.dht.node import DHTNode
 from hivemind.p2p import P2P, PeerID
 from hivemind.p2p.p2p_daemon_bindings.utils import P2PDaemonError
+from hivemind.utils import get_dht_time
 from hivemind.utils.multiaddr import Multiaddr
 
 from p2p_diloco.config import NetworkSection
@@ -30,14 +31,20 @@ from p2p_diloco.lifecycle import (
     is_running,
     kill_process_tree,
 )
-from p2p_diloco.membership import IdentityKey, MembershipError, load_identity_key, peer_id_of
-from p2p_diloco.relays import DIRECT, Reachability
+from p2p_diloco.network.membership import IdentityKey, MembershipError, load_identity_key, peer_id_of
+from p2p_diloco.network.relays import DIRECT, Reachability
 
 logger = logging.getLogger(__name__)
 
 
 class NetworkError(UserError):
     """The swarm cannot be joined or served; the message is one line meant for the user."""
+
+
+def shared_time() -> float:
+    """Seconds since the epoch on the swarm's shared clock (hivemind's DHT time), by which units agree on boundaries
+    and records expire."""
+    return get_dht_time()
 
 
 def validate_multiaddrs(addrs: Sequence[str], what: str, *, require_peer_id: bool = False) -> list[str]:

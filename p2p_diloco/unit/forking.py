@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
-from p2p_diloco.sharding import local_shard
+from p2p_diloco.unit.sharding import local_shard
 
 TensorSource = Callable[[], Iterable[torch.Tensor | None]]
 MADV_DONTNEED = 4

@@ -28,29 +28,29 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from hivemind.utils import get_dht_time
 
-from p2p_diloco import events
 from p2p_diloco.checkpoint import save_checkpoint
-from p2p_diloco.compression import roundtrip
 from p2p_diloco.config import PeerConfig, SwarmSections
-from p2p_diloco.data import DataPosition, TextData, TrainingStream
-from p2p_diloco.forking import optimizer_tensors
-from p2p_diloco.goodput import LEDGER_FILE, GoodputLedger
-from p2p_diloco.inner import InnerTrainer, StepStats, copy_into, host_copies
-from p2p_diloco.joining import data_position, download_state, own_checkpoint, swarm_round
-from p2p_diloco.metrics import ProgressBars, Throughput
-from p2p_diloco.model import LoadedModel, export_pretrained
-from p2p_diloco.ranks import Ranks, ThetaLink, UnitStart, theta_probe
-from p2p_diloco.records import PeerProgress, PendingProgress, ProgressRecords, in_phase
+from p2p_diloco.network.compression import roundtrip
+from p2p_diloco.network.dht import shared_time
+from p2p_diloco.network.records import PeerProgress, PendingProgress, ProgressRecords, in_phase
+from p2p_diloco.network.state_sync import StateService, SwarmState
+from p2p_diloco.network.wire import WireCounter
 from p2p_diloco.rounds.averager import Averager
 from p2p_diloco.rounds.departure import Departure, Phase
 from p2p_diloco.rounds.engine import RoundEngine
 from p2p_diloco.rounds.plan import RoundPlan
 from p2p_diloco.rounds.results import RoundBegin, RoundEnd, RoundKind, RoundStatus
-from p2p_diloco.state_sync import StateService, SwarmState
-from p2p_diloco.tracking import UnitCounters, round_event
-from p2p_diloco.wire import WireCounter
+from p2p_diloco.unit import events
+from p2p_diloco.unit.data import DataPosition, TextData, TrainingStream
+from p2p_diloco.unit.forking import optimizer_tensors
+from p2p_diloco.unit.goodput import LEDGER_FILE, GoodputLedger
+from p2p_diloco.unit.inner import InnerTrainer, StepStats, copy_into, host_copies
+from p2p_diloco.unit.joining import data_position, download_state, own_checkpoint, swarm_round
+from p2p_diloco.unit.metrics import ProgressBars, Throughput
+from p2p_diloco.unit.model import LoadedModel, export_pretrained
+from p2p_diloco.unit.ranks import Ranks, ThetaLink, UnitStart, theta_probe
+from p2p_diloco.unit.tracking import UnitCounters, round_event
 
 logger = logging.getLogger(__name__)
 
@@ -247,7 +247,7 @@ class LearningUnit:
 
     def maybe_begin_round(self) -> bool:
         """Begin the rounds that are due (rounds/engine.py); True if any began or θ was reset."""
-        begins = self.engine.begin_due(self.throughput.step_time_s, get_dht_time())
+        begins = self.engine.begin_due(self.throughput.step_time_s, shared_time())
         for begin in begins:
             self.began(begin)
         return any(begin.status in (RoundStatus.BEGUN, RoundStatus.RESET) for begin in begins)
@@ -325,7 +325,7 @@ class LearningUnit:
         progress = PeerProgress(
             peer_id=self.network.peer_id, inner_step=self.inner_step, outer_round=self.outer_round,
             tokens_per_s=float(self.throughput.tokens_per_s or 0.0),
-            loss=self.last_loss if math.isfinite(self.last_loss) else 0.0, last_seen=get_dht_time(),
+            loss=self.last_loss if math.isfinite(self.last_loss) else 0.0, last_seen=shared_time(),
             group_size=self.last_group_size, model_fingerprint=self.loaded.fingerprint,
             useful_compute_s=self.ledger.useful_compute_s, allocated_s=self.ledger.allocated_s(time.time()),
             phase=phase, eval_loss=eval_loss,
@@ -355,7 +355,7 @@ class LearningUnit:
         """Leave cleanly: the exit protocol (rounds/departure.py: final rounds, settle rounds, the census), then the
         final eval, checkpoint and export of the consensus parameters."""
         network = self.network
-        Departure(self.engine, census=self, observer=self, peer_id=network.peer_id, now=get_dht_time,
+        Departure(self.engine, census=self, observer=self, peer_id=network.peer_id, now=shared_time,
                   settle_averager=network.settle_averager,
                   refuses=network.settle_refuses).leave(self.throughput.step_time_s)  # fmt: skip
         self._evaluate("final")

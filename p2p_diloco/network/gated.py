@@ -23,8 +23,8 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils import get_dht_time
 from hivemind.utils.asyncio import as_aiter, azip
 
-from p2p_diloco.membership import MemberGate
-from p2p_diloco.reducer import BoundedAllReduceRunner, SenderVerdict
+from p2p_diloco.network.membership import MemberGate
+from p2p_diloco.network.reducer import BoundedAllReduceRunner, SenderVerdict
 
 logger = logging.getLogger(__name__)
 

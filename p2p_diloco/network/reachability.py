@@ -32,8 +32,8 @@ from hivemind.proto import dht_pb2
 from hivemind.utils.multiaddr import Multiaddr
 
 from p2p_diloco.config import NetworkSection
-from p2p_diloco.dht import NetworkError, validate_multiaddrs
-from p2p_diloco.relays import CIRCUIT, CLIENT, DIRECT, Reachability, circuit_through, relay_candidates
+from p2p_diloco.network.dht import NetworkError, validate_multiaddrs
+from p2p_diloco.network.relays import CIRCUIT, CLIENT, DIRECT, Reachability, circuit_through, relay_candidates
 
 logger = logging.getLogger(__name__)
 

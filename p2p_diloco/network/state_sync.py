@@ -49,10 +49,10 @@ from hivemind.utils.streaming import combine_from_streaming
 
 from p2p_diloco.checkpoint import payload_digest
 from p2p_diloco.diloco import distance
-from p2p_diloco.gated import GatedAverager
-from p2p_diloco.members import believed_rounds
-from p2p_diloco.membership import MemberGate
-from p2p_diloco.records import DonorRecord
+from p2p_diloco.network.gated import GatedAverager
+from p2p_diloco.network.members import believed_rounds
+from p2p_diloco.network.membership import MemberGate
+from p2p_diloco.network.records import DonorRecord
 
 logger = logging.getLogger(__name__)
 

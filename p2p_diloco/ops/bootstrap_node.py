@@ -7,11 +7,18 @@ import sys
 import threading
 
 from p2p_diloco.config import NetworkSection
-from p2p_diloco.dht import NetworkError, count_routing_peers, peer_identity, start_dht, stop_dht, visible_multiaddrs
 from p2p_diloco.lifecycle import install_stop_signals, start_orphan_reaper
-from p2p_diloco.membership import load_run_access
-from p2p_diloco.reachability import serve_dial_back_checks
-from p2p_diloco.records import record_validators
+from p2p_diloco.network.dht import (
+    NetworkError,
+    count_routing_peers,
+    peer_identity,
+    start_dht,
+    stop_dht,
+    visible_multiaddrs,
+)
+from p2p_diloco.network.membership import load_run_access
+from p2p_diloco.network.reachability import serve_dial_back_checks
+from p2p_diloco.network.records import record_validators
 
 logger = logging.getLogger(__name__)
 

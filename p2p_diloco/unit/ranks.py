@@ -44,11 +44,11 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from p2p_diloco import sharding
 from p2p_diloco.diloco import consensus_probe, consensus_probe_indices
 from p2p_diloco.errors import UserError
-from p2p_diloco.inner import InnerTrainer
 from p2p_diloco.lifecycle import launched
+from p2p_diloco.unit import sharding
+from p2p_diloco.unit.inner import InnerTrainer
 
 logger = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """The kinds of event a learning unit writes to its ``metrics.jsonl``, with their fields: the one place that names
-them. Writers hand an event to :meth:`p2p_diloco.metrics.MetricsLog.write`; readers get typed events back from
+them. Writers hand an event to :meth:`p2p_diloco.unit.metrics.MetricsLog.write`; readers get typed events back from
 :func:`read_events`, so a renamed field breaks here and at the places that use it, not in string lookups.
 
 On disk an event is one JSON object: ``{"time": unix_seconds, "event": <kind>, ...fields}``; non-finite floats are

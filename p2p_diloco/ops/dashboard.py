@@ -1,7 +1,7 @@
 """``p2p-diloco dashboard``: a live web page of one run, read from the DHT alone (no central store).
 
 A background thread reads the run's progress records every ``interval_s`` through a client-mode DHT node
-(:class:`p2p_diloco.status.SwarmView`) and keeps the history of what it saw since it started (a bounded window): the
+(:class:`p2p_diloco.ops.status.SwarmView`) and keeps the history of what it saw since it started (a bounded window): the
 swarm's eval loss, group sizes and live peers over time. A FastAPI app serves the page (``assets/dashboard``),
 plotly.js from the plotly package (nothing is fetched from a CDN: the page works offline) and the data as JSON at
 ``/api/swarm``; uvicorn runs it until SIGINT or SIGTERM.
@@ -19,8 +19,8 @@ from typing import Any
 
 from p2p_diloco.config import NetworkSection
 from p2p_diloco.errors import UserError, first_line
-from p2p_diloco.records import PeerProgress
-from p2p_diloco.status import SwarmView, swarm_snapshot
+from p2p_diloco.network.records import PeerProgress
+from p2p_diloco.ops.status import SwarmView, swarm_snapshot
 
 HISTORY_POINTS = 4096  # reads kept for the plots (5.7 hours at the default interval)
 PAGE = resources.files("p2p_diloco") / "assets" / "dashboard" / "index.html"
@@ -71,11 +71,11 @@ class SwarmHistory:
 
 def read_forever(view: SwarmView, history: SwarmHistory, interval_s: float, stop: threading.Event) -> None:
     """Read ``view`` into ``history`` every ``interval_s`` until ``stop``; a failed read is logged and retried."""
-    from hivemind.utils import get_dht_time
+    from p2p_diloco.network.dht import shared_time
 
     while not stop.is_set():
         try:
-            history.add(view.read(), get_dht_time())
+            history.add(view.read(), shared_time())
         except Exception as error:  # a DHT hiccup must not end the page
             logger.warning("reading the swarm failed: %s", first_line(error))
         stop.wait(interval_s)

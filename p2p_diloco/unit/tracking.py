@@ -20,11 +20,12 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any, Protocol
 
-from p2p_diloco import __version__, events
+from p2p_diloco import __version__
 from p2p_diloco.checkpoint import atomic_write
 from p2p_diloco.errors import first_line
-from p2p_diloco.metrics import MetricsLog
 from p2p_diloco.rounds.results import RoundBegin, RoundEnd, RoundKind, RoundStatus
+from p2p_diloco.unit import events
+from p2p_diloco.unit.metrics import MetricsLog
 
 RUN_FILE = "run.json"
 TENSORBOARD_DIR = "tensorboard"

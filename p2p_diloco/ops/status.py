@@ -11,14 +11,12 @@ import sys
 import threading
 from typing import Literal, TextIO
 
-from hivemind.utils import get_dht_time
-
 from p2p_diloco.config import ConfigError, NetworkSection
-from p2p_diloco.dht import start_dht, stop_dht
-from p2p_diloco.members import believed_rounds
-from p2p_diloco.membership import load_run_access
-from p2p_diloco.records import PeerProgress, SwarmRecords, record_validators
-from p2p_diloco.relays import CLIENT
+from p2p_diloco.network.dht import shared_time, start_dht, stop_dht
+from p2p_diloco.network.members import believed_rounds
+from p2p_diloco.network.membership import load_run_access
+from p2p_diloco.network.records import PeerProgress, SwarmRecords, record_validators
+from p2p_diloco.network.relays import CLIENT
 
 STALE_AFTER_S = 60.0  # a peer silent for longer is shown as stale (it publishes every few seconds)
 PeerState = Literal["live", "stale", "left", "refused"]
@@ -125,7 +123,7 @@ def run_status(
 
 
 def _render(run_id: str, rows: list[PeerProgress], stale_after_s: float, as_json: bool) -> str:
-    now = get_dht_time()
+    now = shared_time()
     if as_json:
         return json.dumps(swarm_snapshot(run_id, rows, now, stale_after_s))
     return format_table(rows, now, stale_after_s)

@@ -12,8 +12,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from p2p_diloco.events import Eval, OuterRound, Stop, read_events
-from p2p_diloco.launcher import join_command, spawn, start_bootstrap, stop_process_groups
+from p2p_diloco.ops.launcher import join_command, spawn, start_bootstrap, stop_process_groups
+from p2p_diloco.unit.events import Eval, OuterRound, Stop, read_events
 
 
 @dataclass
@@ -80,8 +80,8 @@ class RoundLog:
         complete = chunk[: chunk.rfind(b"\n") + 1]  # a line being written waits for the next call
         self.offset += len(complete)
         for line in complete.decode("utf-8", errors="replace").splitlines():
-            if " p2p_diloco.tracking: " in line:
-                print(f"{self.name}  {line.split(' p2p_diloco.tracking: ', 1)[1]}", flush=True)
+            if " p2p_diloco.unit.tracking: " in line:
+                print(f"{self.name}  {line.split(' p2p_diloco.unit.tracking: ', 1)[1]}", flush=True)
 
 
 def run_demo(peers: int, duration_s: float, work_dir: Path) -> int:

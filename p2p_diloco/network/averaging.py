@@ -45,9 +45,9 @@ from hivemind.compression import CompressionBase, NoCompression
 from hivemind.utils import get_dht_time
 
 from p2p_diloco.diloco import probe_drift
-from p2p_diloco.gated import GatedAverager
-from p2p_diloco.members import MemberInfo, read_member
-from p2p_diloco.membership import MemberGate
+from p2p_diloco.network.gated import GatedAverager
+from p2p_diloco.network.members import MemberInfo, read_member
+from p2p_diloco.network.membership import MemberGate
 from p2p_diloco.rounds.averager import RoundOutcome, check_round_request
 
 logger = logging.getLogger(__name__)

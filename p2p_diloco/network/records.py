@@ -23,7 +23,7 @@ from hivemind.dht.schema import BytesWithPublicKey, RSASignatureValidator, Schem
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
-from p2p_diloco.membership import RunAccess, RunRecordValidator
+from p2p_diloco.network.membership import RunAccess, RunRecordValidator
 from p2p_diloco.rounds.departure import Phase
 
 logger = logging.getLogger(__name__)

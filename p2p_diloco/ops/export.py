@@ -16,9 +16,9 @@ import torch
 from p2p_diloco.checkpoint import CheckpointError, load_checkpoint
 from p2p_diloco.config import PeerConfig
 from p2p_diloco.errors import UserError
-from p2p_diloco.inner import copy_into
-from p2p_diloco.model import export_pretrained, load_model
-from p2p_diloco.tracking import RUN_FILE
+from p2p_diloco.unit.inner import copy_into
+from p2p_diloco.unit.model import export_pretrained, load_model
+from p2p_diloco.unit.tracking import RUN_FILE
 
 
 def run_export(work_dir: Path, out: Path, adapter_only: bool = False) -> int:

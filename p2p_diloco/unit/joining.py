@@ -13,13 +13,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from p2p_diloco import events
 from p2p_diloco.checkpoint import load_checkpoint
-from p2p_diloco.data import DataPosition, TextData
 from p2p_diloco.errors import UserError
-from p2p_diloco.members import believed_rounds
-from p2p_diloco.records import PeerProgress
-from p2p_diloco.state_sync import StateService, SwarmState
+from p2p_diloco.network.members import believed_rounds
+from p2p_diloco.network.records import PeerProgress
+from p2p_diloco.network.state_sync import StateService, SwarmState
+from p2p_diloco.unit import events
+from p2p_diloco.unit.data import DataPosition, TextData
 
 logger = logging.getLogger(__name__)
 

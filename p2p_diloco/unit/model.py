@@ -31,10 +31,10 @@ import torch
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from p2p_diloco.adapters import adapter_signature, saveable, with_adapters
 from p2p_diloco.config import ModelSection, OuterSection
 from p2p_diloco.errors import UserError, first_line
 from p2p_diloco.rounds.plan import RoundPlan
+from p2p_diloco.unit.adapters import adapter_signature, saveable, with_adapters
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from typing import TextIO
 
 from tqdm import tqdm
 
-from p2p_diloco.events import Event
+from p2p_diloco.unit.events import Event
 
 _LOG_FORMAT = "%(asctime)s.%(msecs)03d %(levelname)s %(name)s: %(message)s"
 _LOG_DATE_FORMAT = "%Y-%m-%dT%H:%M:%S"

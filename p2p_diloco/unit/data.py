@@ -43,7 +43,7 @@ import transformers
 
 from p2p_diloco.config import DataSection
 from p2p_diloco.errors import UserError, first_line
-from p2p_diloco.model import looks_local
+from p2p_diloco.unit.model import looks_local
 
 logger = logging.getLogger(__name__)
 K = TypeVar("K")
