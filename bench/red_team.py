@@ -25,12 +25,12 @@ from p2p_diloco.config import NetworkSection
 from p2p_diloco.network import reducer
 from p2p_diloco.network.averaging import OuterAverager
 from p2p_diloco.network.dht import ensure_identity, identity_peer_id, peer_identity, start_dht, visible_multiaddrs
-from p2p_diloco.network.members import MAX_ROUND_LEAD
 from p2p_diloco.network.membership import Admission, load_identity_key
 from p2p_diloco.network.records import DonorRecord, PeerProgress, SwarmRecords, record_validators
 from p2p_diloco.network.relays import CLIENT
 from p2p_diloco.network.state_sync import StateServer, SwarmState
 from p2p_diloco.robust import BoundedMean, bounded_mean
+from p2p_diloco.trust import MAX_ROUND_LEAD
 
 GatherRewrite = Callable[[dict[str, Any]], dict[str, Any]]
 

@@ -26,9 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-CLIP_FACTOR = 2.0
-DROP_FACTOR = 2.0
-WEIGHT_CAP = 2.0
+from p2p_diloco.trust import CLIP_FACTOR, DROP_FACTOR, WEIGHT_CAP
+
 SORTING_NETWORK_ROWS = 8
 
 

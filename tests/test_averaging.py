@@ -19,11 +19,12 @@ from swarms import record_peers
 from p2p_diloco.network import reducer
 from p2p_diloco.network.averaging import STUCK_MARGIN_S, TENSOR_LOCK_WAIT_S, OuterAverager
 from p2p_diloco.network.dht import stop_dht
-from p2p_diloco.network.gated import MAX_OFFENCES, OFFENCE_WINDOW, GatedAverager
+from p2p_diloco.network.gated import GatedAverager
 from p2p_diloco.network.membership import MemberGate
-from p2p_diloco.network.reducer import OFFENCE_RELATIVE, SenderVerdict
+from p2p_diloco.network.reducer import SenderVerdict
 from p2p_diloco.robust import BoundedMean, bounded_mean
 from p2p_diloco.rounds.averager import RoundOutcome
+from p2p_diloco.trust import MAX_OFFENCES, OFFENCE_RELATIVE, OFFENCE_WINDOW
 
 STALL_S = 8.0  # longer than the all-reduce timeout of the stalling test (4 s)
 

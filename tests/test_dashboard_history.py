@@ -5,9 +5,9 @@ from __future__ import annotations
 from fastapi.testclient import TestClient
 from test_records import progress
 
-from p2p_diloco.network.members import MAX_ROUND_LEAD
 from p2p_diloco.ops.dashboard import SwarmHistory, create_app
 from p2p_diloco.ops.status import format_table, swarm_snapshot
+from p2p_diloco.trust import MAX_ROUND_LEAD
 
 
 def test_snapshot_totals_count_live_peers_only() -> None:

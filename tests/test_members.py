@@ -1,4 +1,4 @@
-"""A round member's gather, read as a stranger's words (p2p_diloco/members.py)."""
+"""A round member's gather, read as a stranger's words (p2p_diloco/network/members.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import math
 
 import pytest
 
-from p2p_diloco.network.members import MAX_ROUND_LEAD, MAX_TAG_CHARS, MemberInfo, read_member
+from p2p_diloco.network.members import MAX_TAG_CHARS, MemberInfo, read_member
+from p2p_diloco.trust import MAX_ROUND_LEAD
 
 HONEST = {"outer_round": 7, "weight": 256.0, "probe": [0.5, -1.0, 2.0], "tag": "fragment", "period": 4.0}
 

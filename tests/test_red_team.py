@@ -13,7 +13,7 @@ from test_swarm import assert_joined_from_swarm
 
 from bench.red_team import FORGED_ROUND, admitted_flags, red_team_cli
 from p2p_diloco.network.dht import ensure_identity
-from p2p_diloco.network.members import MAX_ROUND_LEAD
+from p2p_diloco.trust import MAX_ROUND_LEAD
 from p2p_diloco.unit.events import Eval, LocalReset
 
 pytestmark = pytest.mark.swarm

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from p2p_diloco.robust import CLIP_FACTOR, DROP_FACTOR, WEIGHT_CAP, bounded_mean
+from p2p_diloco.robust import bounded_mean
+from p2p_diloco.trust import CLIP_FACTOR, DROP_FACTOR, WEIGHT_CAP
 
 
 def reference(parts: list[list[float]], weights: list[float]) -> list[float]:

@@ -25,12 +25,11 @@ from hivemind.utils.asyncio import as_aiter, azip
 
 from p2p_diloco.network.membership import MemberGate
 from p2p_diloco.network.reducer import BoundedAllReduceRunner, SenderVerdict
+from p2p_diloco.trust import MAX_OFFENCES, OFFENCE_WINDOW
 
 logger = logging.getLogger(__name__)
 
 REFUSAL_LOG_EVERY_S = 60.0
-MAX_OFFENCES = 3  # rounds, of a member's last OFFENCE_WINDOW with this averager, in which it offended (reducer.py)
-OFFENCE_WINDOW = 6
 
 
 class GatedAverager(hivemind.DecentralizedAverager):
@@ -165,6 +164,5 @@ class GatedAverager(hivemind.DecentralizedAverager):
     def _pairs_with_an_offender(self, others: Sequence[PeerID]) -> bool:
         """Whether a group is this unit and one member that offended in any of its last OFFENCE_WINDOW rounds with
         this averager: in a pair the bounded mean is the plain mean (nothing tells which member lies), so such a
-        member's part would not be bounded at all (seen: a noisy member not yet refused took an honest unit's eval
-        loss from 6.8 to 18.6 in one round of two)."""
+        member's part would not be bounded at all."""
         return len(others) == 1 and any(self._offences.get(str(others[0]), ()))

@@ -21,7 +21,8 @@ import math
 import statistics
 from dataclasses import dataclass
 
-MAX_ROUND_LEAD = 4  # rounds a member may be ahead of the reader and still be believed
+from p2p_diloco.trust import MAX_ROUND_LEAD
+
 MAX_TAG_CHARS = 64
 
 

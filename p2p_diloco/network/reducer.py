@@ -6,11 +6,12 @@ hivemind 1.1.12 has no hook for the reducer's rule: ``AllReduceRunner`` builds a
 each sender's part with the weight the sender states. :class:`BoundedAllReduceRunner` replaces that reducer with
 :class:`BoundedPartReducer`, which keeps hivemind's ordering, failure and ban logic and changes only how one slice is
 combined once every live sender's part arrived. Each averaged part another member returns (as the difference from
-what this unit sent it) must have the shape sent, be finite, and have an RMS of at most OFFENCE_RELATIVE × that of
-the slice sent to that member; an implausible one is replaced by zeros (this unit keeps its own values of that part,
-as hivemind does for a reducer that failed), the others are used. The exchange on the wire is unchanged (no extra
-bytes); the cost is buffering one slice of every sender and a median over them. An all-reduce that ends with parts
-missing (a timeout, a member gone) logs which members did not send their parts or return their averages.
+what this unit sent it) must have the shape sent, be finite, and have an RMS within OFFENCE_RELATIVE × that of the
+slice sent to that member (trust.py ``within``); an implausible one is replaced by zeros (this unit keeps its own
+values of that part, as hivemind does for a reducer that failed), the others are used. The exchange on the wire is
+unchanged (no extra bytes); the cost is buffering one slice of every sender and a median over them. An all-reduce
+that ends with parts missing (a timeout, a member gone) logs which members did not send their parts or return their
+averages.
 """
 
 from __future__ import annotations
@@ -27,22 +28,16 @@ from hivemind.averaging.allreduce import AllReduceRunner
 from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartReducer
 
 from p2p_diloco.robust import bounded_mean
+from p2p_diloco.trust import OFFENCE_RELATIVE, within
 
 logger = logging.getLogger(__name__)
-
-OFFENCE_RELATIVE = 10.0
-"""A part whose deviation from the slice's median is over this × the median's norm, or an averaged part returned
-with an RMS over this × that of the slice sent, counts as an offence (honest proposals differ by a fraction of φ,
-honest pseudo-gradients by about their own size). A part dropped as far but within this bound is no offence: it can
-be far only because the others agree closely (two members holding the same φ in a consensus or settle round make the
-radius 0), and refusing on such borderline evidence split the honest units: in the security benchmark, with far
-parts deviating by over 2× the median's norm counted, one honest unit refused a sign-flipping member three rounds
-before the others did, left their groups, and exited as a different model."""
 
 
 @dataclass
 class SenderVerdict:
-    """What one sender's parts went through in one all-reduce, as this unit reduced them."""
+    """What one sender's parts went through in one all-reduce, as this unit reduced them. It ``offended`` when a part
+    was invalid or deviated from the slice's median by more than OFFENCE_RELATIVE × the median's norm, or when it
+    returned an implausible average; a part merely dropped as far is no offence (trust.py)."""
 
     parts: int = 0
     dropped: int = 0
@@ -215,7 +210,7 @@ class BoundedAllReduceRunner(AllReduceRunner):
             squares = sum(float(part.double().square().sum()) for part, _ in slice_parts)
             self._sent_rms[peer_index] = math.sqrt(squares / max(1, sum(part.numel() for part, _ in slice_parts)))
         rms = float(delta.double().square().mean().sqrt()) if delta.numel() else 0.0
-        return self._sent_rms[peer_index] == 0 or rms <= OFFENCE_RELATIVE * self._sent_rms[peer_index]
+        return within(rms, self._sent_rms[peer_index], OFFENCE_RELATIVE)
 
     def finalize(self, *, cancel: bool = False, exception: BaseException | None = None) -> None:
         """hivemind's, then the verdicts go to ``on_verdicts`` (once, however the all-reduce ended); the members whose

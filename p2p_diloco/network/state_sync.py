@@ -14,7 +14,8 @@ A joiner trusts no single donor (:meth:`StateServer.download`):
   declared (its record is read again when they differ: it may have published a newer state since), then tensor
   count, shapes, dtypes, finite values and sane counters;
 * a state is taken once a second donor's download agrees with it (φ within ``CORROBORATION_TOLERANCE`` of each
-  other, relative to ‖φ‖, and outer momenta of about the same norm); donors that disagree are outvoted by the next
+  other, relative to ‖φ‖, and outer momenta whose norms are within ``MOMENTUM_NORM_RATIO``: without
+  ``sync_momentum`` honest momenta differ in direction, not much in size); donors that disagree are outvoted by the next
   ones. A state no other download contradicts is taken alone only when it is the only one that could be downloaded.
   So a joiner downloads twice whenever two donors answer.
 
@@ -53,6 +54,7 @@ from p2p_diloco.network.gated import GatedAverager
 from p2p_diloco.network.members import believed_rounds
 from p2p_diloco.network.membership import MemberGate
 from p2p_diloco.network.records import DonorRecord
+from p2p_diloco.trust import CORROBORATION_TOLERANCE, MOMENTUM_NORM_RATIO
 
 logger = logging.getLogger(__name__)
 
@@ -61,11 +63,6 @@ STATE_FORMAT = 2.0
 # next_chunk_timeout is set; a donor first copies its whole state (SmolLM2: 1.1 GB) and a busy 2-core machine took
 # longer than 3 s for that, so a late SmolLM2 joiner failed every attempt until its join timeout (measured).
 STATE_CHUNK_TIMEOUT_S = 30.0
-CORROBORATION_TOLERANCE = 0.05
-"""Two downloads agree when ‖φ_a − φ_b‖ ≤ this × ‖φ_a‖ (honest donors rounds apart differ by their outer steps)."""
-MOMENTUM_NORM_RATIO = 4.0
-"""Two downloads agree only when their outer momenta's norms are within this factor of each other: without
-``sync_momentum`` honest units' momenta differ in direction, but not much in size; a scaled one does not pass."""
 DONOR_TTL_S = 300.0
 STREAM_SLACK_BYTES = 1 << 20  # a download may exceed the state's size by this much (serialization overhead)
 

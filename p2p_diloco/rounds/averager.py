@@ -30,9 +30,8 @@ class RoundOutcome:
     @property
     def tags_agree(self) -> bool:
         """True when more than half of the members (this unit included) declared this unit's tag (e.g. averaged the
-        same fragment). One member declaring another tag, or garbage, cannot veto a round of the others (it could
-        veto every settle round, so the honest units left as different models: measured); its part was bounded like
-        any other's."""
+        same fragment): one member declaring another tag, or garbage, cannot veto a round of the others; its part was
+        bounded like any other's."""
         if not self.member_tags:
             return True
         own = self.member_tags[min(self.position, len(self.member_tags) - 1)]

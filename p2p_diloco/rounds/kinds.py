@@ -21,15 +21,11 @@ from p2p_diloco.rounds.averager import Averager, RoundOutcome
 from p2p_diloco.rounds.results import MERGES, RoundBegin, RoundEnd, RoundId, RoundKind, RoundStatus
 from p2p_diloco.rounds.state import OuterState
 from p2p_diloco.streaming import SentRound, flatten_pieces, unflatten_pieces
+from p2p_diloco.trust import MAX_STEP_RATIO, within
 
 logger = logging.getLogger(__name__)
 
 Tensors = list[torch.Tensor]
-# A round's average may move φ_p at most this many times as far as the unit's own outer step would have: honest
-# groups moved it 0.8× at the median and 11.4× at most (a SmolLM2 joiner's first round: one inner step, in warm-up,
-# while its downloaded φ_p lagged a round); a member sending 1000 × its proposal moved it 244× to 2,330× (see the
-# REJECTED in results.py).
-MAX_STEP_RATIO = 30.0
 
 
 class FragmentRound:
@@ -235,10 +231,9 @@ class Settle(CorrectionRound):
 
 
 def plausible_step(what: str, step: float, scale: float) -> bool:
-    """Whether a round (``what``, for the log) that moves φ_p by ``step`` moves it at most MAX_STEP_RATIO times
-    ``scale`` (this unit's own outer step, see SentRound.step_scale); logs a round it rejects. True while ``scale`` is 0
-    (before the unit sent a round)."""
-    if scale <= 0 or step <= MAX_STEP_RATIO * scale:
+    """Whether a round (``what``, for the log) that moves φ_p by ``step`` moves it within MAX_STEP_RATIO times ``scale``
+    (this unit's own outer step, see SentRound.step_scale; trust.py ``within``); logs a round it rejects."""
+    if within(step, scale, MAX_STEP_RATIO):
         return True
     logger.error("rejected the average of %s: it moves φ %.3g× as far as this unit's own step (bound %g×)", what,
                  step / scale, MAX_STEP_RATIO)  # fmt: skip

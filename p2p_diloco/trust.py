@@ -1,0 +1,113 @@
+"""Every threshold by which a unit judges another peer, named once, with the attack it bounds and the measurement or
+test that set it (:data:`THRESHOLDS`; the incidents behind them: results/security/README.md), and the one test of a
+believable change (:func:`within`) that the averaging side (network/reducer.py) and the round side (rounds/kinds.py)
+both apply. Pure Python: the torch-only rounds import it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# ---- inside the all-reduce: each unit reduces its slice with the bounded mean (robust.py)
+CLIP_FACTOR = 2.0  # the clipping radius, in lower-median deviations from the coordinate-wise median
+DROP_FACTOR = 2.0  # a part deviating more than this many radii is dropped
+WEIGHT_CAP = 2.0  # a claimed weight is capped at this many times the lower median weight
+# ---- judging members (network/reducer.py, network/gated.py)
+OFFENCE_RELATIVE = 10.0  # an offence: a part deviating, or an average returned, beyond this many times the reference
+MAX_OFFENCES = 3  # offences in a member's last OFFENCE_WINDOW rounds with an averager that get it refused
+OFFENCE_WINDOW = 6
+# ---- after a round (rounds/kinds.py)
+MAX_STEP_RATIO = 30.0  # a round's average moves φ at most this many times the unit's own outer step
+# ---- claims and states (network/members.py, network/state_sync.py)
+MAX_ROUND_LEAD = 4  # a claimed outer round is believed at most this many rounds ahead
+CORROBORATION_TOLERANCE = 0.05  # two downloaded states agree when their φ are this close, relative to ‖φ‖
+MOMENTUM_NORM_RATIO = 4.0  # ... and their outer momenta's norms within this factor of each other
+
+
+@dataclass(frozen=True)
+class Threshold:
+    """One threshold: its name and value, the attack it bounds, and what set it."""
+
+    name: str
+    value: float
+    attack: str
+    set_by: str
+
+
+THRESHOLDS = (
+    Threshold(
+        "CLIP_FACTOR",
+        CLIP_FACTOR,
+        "a member sending a scaled or noisy part: its deviation is clipped to the "
+        "radius, so one member of three or more moves a slice by at most its capped weight share × radius",
+        "tests/test_robust.py (reference mean, one of four); results/security: payload ×1000 −0.15%, noise "
+        "+0.43%, sign flip ×3 +0.25% against honest-only runs spanning −2.6% to +1.9%",
+    ),
+    Threshold(
+        "DROP_FACTOR",
+        DROP_FACTOR,
+        "a part far off (scaled, noise): dropped rather than clipped, 4 typical deviations from the median",
+        "tests/test_robust.py; results/security (payload ×1000, noise)",
+    ),
+    Threshold(
+        "WEIGHT_CAP",
+        WEIGHT_CAP,
+        "a member claiming more tokens than it trained (weights are unverifiable)",
+        "results/security: weight ×1000 −0.81%, its weight capped",
+    ),
+    Threshold(
+        "OFFENCE_RELATIVE",
+        OFFENCE_RELATIVE,
+        "a member sending invalid or grossly off parts, or returning "
+        "implausible averages as a reducer: an offence (a far part within it is none: counting those split the "
+        "honest units)",
+        "tests/test_averaging.py (offence rule, reducer replaced then refused); results/security: reducer ×1000 −1.09%",
+    ),
+    Threshold(
+        "MAX_OFFENCES",
+        MAX_OFFENCES,
+        "a member that keeps offending: refused for the rest of the run by all of the unit's averagers",
+        "tests/test_averaging.py (refused after MAX_OFFENCES in its window, only then)",
+    ),
+    Threshold(
+        "OFFENCE_WINDOW",
+        OFFENCE_WINDOW,
+        "offences far apart never refuse a member; a pair with a member that "
+        "offended in this window is left (a pair cannot bound it)",
+        "tests/test_averaging.py (window, pair "
+        "rule); tests/test_red_team.py noise variant (eval 6.8 → 18.6 in a pair before the rule)",
+    ),
+    Threshold(
+        "MAX_STEP_RATIO",
+        MAX_STEP_RATIO,
+        "an average that would move φ far beyond the unit's own step (a "
+        "member scaling its payload): rejected and carried",
+        "results/quality/README.md (SmolLM2 restart and "
+        "late join: a joiner's first round in warm-up moved φ 11.4×, honest rounds 0.8× at the median; ×1000 "
+        "payloads 244× to 2,330×); tests/test_rounds.py (×1000 rejected, honest merged)",
+    ),
+    Threshold(
+        "MAX_ROUND_LEAD",
+        MAX_ROUND_LEAD,
+        "a member or donor claiming a round far ahead, to make counters jump or joiners take its state",
+        "tests/test_members.py, tests/test_state_sync.py; results/security: a round of 10^6 −0.33%, not believed",
+    ),
+    Threshold(
+        "CORROBORATION_TOLERANCE",
+        CORROBORATION_TOLERANCE,
+        "a donor serving a poisoned state: a joiner takes a state only once a second donor's download agrees",
+        "tests/test_state_sync.py (two donors outvote a fresher poisoned one); tests/test_red_team.py (joiner)",
+    ),
+    Threshold(
+        "MOMENTUM_NORM_RATIO",
+        MOMENTUM_NORM_RATIO,
+        "a donor serving φ that agrees with a scaled outer momentum",
+        "tests/test_state_sync.py (a scaled momentum is not corroborated)",
+    ),
+)
+
+
+def within(change: float, reference: float, factor: float) -> bool:
+    """Whether ``change`` is at most ``factor`` × ``reference``, any change being believable while the reference is 0
+    (nothing to compare with yet): how far a reducer's average moves what this unit sent (network/reducer.py) and how
+    far a round's average moves φ against the unit's own step (rounds/kinds.py)."""
+    return reference <= 0 or change <= factor * reference
