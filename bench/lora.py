@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from bench.swarm import Swarm
-from p2p_diloco.config import load_config
+from p2p_diloco.settings import load_config
 from p2p_diloco.unit.data import load_text_data, shard_seed
 from p2p_diloco.unit.events import Eval, Join, Stop
 from p2p_diloco.unit.inner import InnerTrainer

@@ -39,10 +39,11 @@ from bench import CHECKOUT, lab_environment, module_command
 from bench.memory_inventory import as_json, inventory, predicted
 from bench.overhead import bare_loop
 from bench.process_memory import ProcessSample, sample_tree
-from p2p_diloco.config import PeerConfig, add_config_arguments, load_config
+from p2p_diloco.config import PeerConfig
 from p2p_diloco.ops.launcher import CLI, spawn, stop_process_groups
 from p2p_diloco.presets import CORPUS
 from p2p_diloco.rounds.plan import RoundPlan
+from p2p_diloco.settings import add_config_arguments, load_config
 from p2p_diloco.unit.events import OuterRound, Stop, read_events
 from p2p_diloco.unit.model import resolve_device
 

@@ -31,9 +31,10 @@ import torch
 
 from bench import lab_environment, module_command
 from bench.training import TrainingSetup
-from p2p_diloco.config import PeerConfig, add_config_arguments, load_config
+from p2p_diloco.config import PeerConfig
 from p2p_diloco.lifecycle import descendant_pids
 from p2p_diloco.ops.launcher import CLI, spawn, stop_process_groups
+from p2p_diloco.settings import add_config_arguments, load_config
 from p2p_diloco.unit.data import load_text_data, shard_seed
 from p2p_diloco.unit.events import InnerStep, OuterRound, read_events
 from p2p_diloco.unit.inner import InnerTrainer

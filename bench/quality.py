@@ -30,12 +30,13 @@ from typing import Any, Literal
 
 import torch
 
-from p2p_diloco.config import Codec, PeerConfig, load_config
+from p2p_diloco.config import Codec, PeerConfig
 from p2p_diloco.diloco import probe_drift
 from p2p_diloco.network.compression import roundtrip
 from p2p_diloco.network.records import PeerProgress, PendingProgress
 from p2p_diloco.network.state_sync import SwarmState
 from p2p_diloco.rounds.averager import RoundOutcome, check_round_request
+from p2p_diloco.settings import load_config
 from p2p_diloco.unit.data import TextData, load_text_data, shard_seed
 from p2p_diloco.unit.inner import InnerTrainer
 from p2p_diloco.unit.metrics import MetricsLog

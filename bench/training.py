@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from p2p_diloco.config import load_config
 from p2p_diloco.presets import CORPUS, TINY_MODEL
+from p2p_diloco.settings import load_config
 
 _TINY = load_config(preset="tiny")
 

@@ -12,8 +12,9 @@ import sys
 from pathlib import Path
 
 from p2p_diloco import __version__
-from p2p_diloco.config import ConfigError, add_config_arguments, config_toml, load_config, load_network_section
+from p2p_diloco.config import ConfigError
 from p2p_diloco.errors import UserError
+from p2p_diloco.settings import add_config_arguments, config_toml, load_config, load_network_section
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
@@ -39,8 +40,12 @@ def _parser() -> argparse.ArgumentParser:
     add_config_arguments(bootstrap, sections=("network",))
     bootstrap.set_defaults(handler=_bootstrap)
 
-    join = subcommand("join", help="join a swarm as one learning unit and train")
-    add_config_arguments(join)
+    join = subcommand(
+        "join", help="join a swarm as one learning unit and train", usage="%(prog)s [--preset NAME] [--config FILE] "
+        "[options]", description="Join a swarm as one learning unit and train. Every other setting: --help-all, a "
+        "--config TOML file, or a preset.",
+    )  # fmt: skip
+    add_config_arguments(join, sections=("network", "model", "data", "run", "outer", "inner"), brief=True)
     join.add_argument("--print-config", action="store_true", help="print the resolved configuration as TOML and exit")
     join.set_defaults(handler=_join)
 

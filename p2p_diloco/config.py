@@ -1,4 +1,5 @@
-"""Typed, validated configuration of a learning unit: TOML file + command-line overrides.
+"""Typed, validated configuration of a learning unit: its sections and fields (where a configuration comes from,
+presets, TOML files, flags and overrides: settings.py).
 
 Every field has one name used everywhere: in TOML (inside its section, e.g. ``[outer] outer_lr = 0.5``)
 and on the command line (``--outer-lr 0.5``). Invalid values raise :class:`ConfigError` with one line that
@@ -7,17 +8,12 @@ names the field, so the CLI can print it and exit non-zero.
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
-import tomllib
-import typing
-from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from p2p_diloco.errors import UserError
-from p2p_diloco.presets import PRESETS
 
 Codec = Literal["fp32", "fp16", "int8"]  # the wire codec of a fragment round (compression.py: hivemind's codec of each)
 CODECS: tuple[Codec, ...] = ("fp32", "fp16", "int8")
@@ -317,10 +313,7 @@ SECTIONS: dict[str, type[_Section]] = {
 }
 
 
-_MODEL_SOURCES = ("model", "model_config", "model_config_path")
-
-
-def _flag(field_name: str) -> str:
+def flag_of(field_name: str) -> str:
     """The flag of a field (or of one of its old names)."""
     for section in SECTIONS.values():
         field = section.model_fields.get(field_name)
@@ -329,120 +322,18 @@ def _flag(field_name: str) -> str:
     return "--" + field_name.replace("_", "-")
 
 
-def _current_name(section_name: str, field_name: str) -> str:
-    """The field's name for one of its old names; any other name as it is."""
-    for name, field in SECTIONS[section_name].model_fields.items():
-        if field_name in _old_names(field):
-            return name
-    return field_name
-
-
-def _old_names(field: Any) -> list[str]:
+def old_names(field: Any) -> list[str]:
+    """The old names of a renamed field (still read as its name)."""
     extra = field.json_schema_extra
     return list(extra.get("aliases", [])) if isinstance(extra, dict) else []
 
 
-def _help(field: Any) -> str:
-    """A flag's help line: the field's description and its default (argparse needs '%' escaped)."""
-    default = "required" if field.is_required() else f"default: {field.get_default(call_default_factory=True)}"
-    return f"{field.description or ''} ({default})".strip().replace("%", "%%")
-
-
-def _is_list(annotation: Any) -> bool:
-    return typing.get_origin(annotation) is list
-
-
-def _is_bool(annotation: Any) -> bool:
-    return annotation is bool
-
-
-def add_config_arguments(parser: argparse.ArgumentParser, sections: tuple[str, ...] = tuple(SECTIONS)) -> None:
-    """Add ``--config FILE`` and one ``--field-name`` flag per field of ``sections`` (all default to "not given")."""
-    parser.add_argument("--config", type=Path, help="TOML file with [model], [data], [inner], [outer], ... sections")
-    if "model" in sections:
-        parser.add_argument(
-            "--preset", choices=sorted(PRESETS), help="start from a shipped preset (the file and flags override it)"
-        )
-    for section_name in sections:
-        section = SECTIONS[section_name]
-        group = parser.add_argument_group(section_name)
-        for name, field in section.model_fields.items():
-            kwargs: dict[str, Any] = dict(
-                dest=f"{section_name}.{name}", default=argparse.SUPPRESS, help=_help(field), metavar=name.upper()
-            )
-            if _is_bool(field.annotation):
-                kwargs["action"] = argparse.BooleanOptionalAction
-                del kwargs["metavar"]
-            elif _is_list(field.annotation):
-                kwargs["nargs"] = "*"
-            group.add_argument(_flag(name), *map(_flag, _old_names(field)), **kwargs)
-
-
-def load_config(
-    args: argparse.Namespace | None = None,
-    toml_path: Path | None = None,
-    preset: str | None = None,
-    **overrides: Any,
-) -> PeerConfig:
-    """Build a validated config from a preset (``PRESETS``), a TOML file, parsed CLI flags and keyword overrides, in
-    increasing priority. ``args`` may carry ``config`` and ``preset`` themselves (the ``--config`` and ``--preset``
-    flags).
-
-    ``overrides`` use ``section__field`` keys, e.g. ``outer__inner_steps=10``. Raises :class:`ConfigError`.
-    """
-    cli = vars(args) if args is not None else {}
-    preset = preset or cli.get("preset")
-    toml_path = toml_path or cli.get("config")
-    layers = [_section_layer(PRESETS[preset], f"preset {preset}")] if preset is not None else []
-    if toml_path is not None:
-        layers.append(_section_layer(_read_toml(Path(toml_path)), f"config file {toml_path}"))
-    layers.append([(*key.split(".", 1), value) for key, value in cli.items() if "." in key])
-    override_layer = []
-    for key, value in overrides.items():
-        section_name, _, field_name = key.partition("__")
-        if section_name not in SECTIONS or not field_name:
-            raise ConfigError(f"invalid override {key!r}: expected section__field with a section in {sorted(SECTIONS)}")
-        override_layer.append((section_name, field_name, value))
-    layers.append(override_layer)
-    raw: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
-    for layer in layers:
-        if any(section == "model" and name in _MODEL_SOURCES for section, name, _ in layer):
-            for source in _MODEL_SOURCES:  # a higher layer choosing the model source replaces a lower one's choice
-                raw["model"].pop(source, None)
-        for section_name, field_name, value in layer:
-            raw[section_name][_current_name(section_name, field_name)] = value
-    try:
-        return PeerConfig(**{name: values for name, values in raw.items() if values or name in ("model", "data")})
-    except ValidationError as error:
-        raise _config_error(error) from None
-
-
-def _section_layer(sections: dict[str, Any], source: str) -> list[tuple[str, str, Any]]:
-    """(section, field, value) of a TOML-shaped mapping. Raises ConfigError for an unknown section."""
-    layer = []
-    for section_name, values in sections.items():
-        if section_name not in SECTIONS or not isinstance(values, dict):
-            raise ConfigError(f"{source}: unknown section [{section_name}]")
-        layer += [(section_name, field_name, value) for field_name, value in values.items()]
-    return layer
-
-
-def _read_toml(path: Path) -> dict[str, Any]:
-    try:
-        return tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"config file not found: {path}") from None
-    except (OSError, UnicodeDecodeError) as error:
-        raise ConfigError(f"config file {path} is unreadable: {error}") from None
-    except tomllib.TOMLDecodeError as error:
-        raise ConfigError(f"config file {path} is not valid TOML: {error}") from None
-
-
-def _config_error(error: ValidationError) -> ConfigError:
+def config_error(error: ValidationError) -> ConfigError:
+    """The first of a validation's errors as one line naming the field and its flag."""
     first = error.errors()[0]
     location = ".".join(str(part) for part in first["loc"])
     known = [str(part) for part in first["loc"] if str(part) in _all_field_names()]
-    flag = f" ({_flag(known[-1])})" if known else ""
+    flag = f" ({flag_of(known[-1])})" if known else ""
     message = first["msg"].removeprefix("Value error, ")
     return ConfigError(f"invalid config {location}{flag}: {message}")
 
@@ -460,32 +351,10 @@ def swarm_sections(base: SwarmSections | None = None, **settings: Any) -> SwarmS
     try:
         return SwarmSections(**sections)
     except ValidationError as error:
-        raise _config_error(error) from None
-
-
-def load_network_section(args: argparse.Namespace) -> NetworkSection:
-    """The [network] section alone (bootstrap and status commands), from ``--config`` and flags."""
-    raw: dict[str, Any] = {}
-    config_path = vars(args).get("config")
-    if config_path is not None:
-        raw.update(_read_toml(Path(config_path)).get("network", {}))
-    raw.update({key.split(".", 1)[1]: value for key, value in vars(args).items() if key.startswith("network.")})
-    try:
-        return NetworkSection(**raw)
-    except ValidationError as error:
-        raise _config_error(error) from None
-
-
-def config_toml(config: PeerConfig) -> str:
-    """``config`` as a TOML file that ``--config`` reads back into the same config (unset optional fields are left
-    out)."""
-    import tomli_w
-
-    sections = config.model_dump(mode="json", exclude_none=True)
-    return tomli_w.dumps({name: sections[name] for name in SECTIONS})
+        raise config_error(error) from None
 
 
 def _all_field_names() -> set[str]:
     """Every field's name, and its old names."""
     fields = [(name, field) for section in SECTIONS.values() for name, field in section.model_fields.items()]
-    return {name for name, _ in fields} | {old for _, field in fields for old in _old_names(field)}
+    return {name for name, _ in fields} | {old for _, field in fields for old in old_names(field)}

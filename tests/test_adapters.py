@@ -15,7 +15,8 @@ from transformers import AutoModelForCausalLM
 
 import p2p_diloco
 from p2p_diloco.checkpoint import load_checkpoint
-from p2p_diloco.config import ConfigError, InnerSection, ModelSection, load_config
+from p2p_diloco.config import ConfigError, InnerSection, ModelSection
+from p2p_diloco.settings import load_config
 from p2p_diloco.unit.adapters import AdapterError
 from p2p_diloco.unit.events import Join, Stop
 from p2p_diloco.unit.inner import InnerTrainer

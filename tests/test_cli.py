@@ -3,6 +3,7 @@ reported before any heavy import."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -12,8 +13,9 @@ import pytest
 
 from p2p_diloco import __version__
 from p2p_diloco.cli import _parser, main
-from p2p_diloco.config import ConfigError, load_config
+from p2p_diloco.config import SECTIONS, ConfigError, flag_of
 from p2p_diloco.presets import CORPUS, TINY_MODEL
+from p2p_diloco.settings import VOLUNTEER_SETTINGS, load_config
 
 
 def test_version_is_the_installed_package_version(capsys: pytest.CaptureFixture[str]) -> None:
@@ -85,3 +87,21 @@ def test_exports_during_training_need_a_save_dir() -> None:
 def test_export_of_a_work_dir_without_a_run_is_one_error_line(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert main(["export", "--work-dir", str(tmp_path), "--out", str(tmp_path / "out")]) == 2
     assert capsys.readouterr().err.startswith(f"error: {tmp_path / 'run.json'} not found")
+
+
+def test_join_help_shows_a_volunteers_settings_and_help_all_every_flag() -> None:
+    """``join --help`` fits 80 lines on an 80-column terminal and shows the settings a volunteer changes, grouped;
+    ``--help-all`` shows every field's flag, and a flag left out of ``--help`` still works."""
+    environment = {**os.environ, "COLUMNS": "80"}
+
+    def help_of(flag: str) -> str:
+        command = [sys.executable, "-m", "p2p_diloco.cli", "join", flag]
+        return subprocess.run(command, capture_output=True, text=True, timeout=60, env=environment, check=True).stdout
+
+    brief, every = help_of("--help"), help_of("--help-all")
+    assert len(brief.splitlines()) <= 80
+    shown = {flag_of(name) for names in VOLUNTEER_SETTINGS.values() for name in names}
+    assert all(flag in brief for flag in shown) and "--quorum" not in brief and "the run and its peers" in brief
+    fields = {name for section in SECTIONS.values() for name in section.model_fields}
+    assert all(flag_of(name) in every for name in fields)
+    assert load_config(_parser().parse_args(["join", "--preset", "tiny", "--quorum", "2"])).outer.quorum == 2

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from p2p_diloco.config import SECTIONS, ConfigError, PeerConfig, add_config_arguments, load_config
+from p2p_diloco.config import SECTIONS, ConfigError, PeerConfig
+from p2p_diloco.settings import add_config_arguments, load_config
 
 REQUIRED = dict(model__model="gpt2", data__dataset="corpus.txt")
 

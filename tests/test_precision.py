@@ -11,7 +11,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import p2p_diloco
-from p2p_diloco.config import ConfigError, InnerSection, ModelSection, load_config
+from p2p_diloco.config import ConfigError, InnerSection, ModelSection
+from p2p_diloco.settings import load_config
 from p2p_diloco.unit.inner import InnerTrainer
 from p2p_diloco.unit.model import LoadedModel, ModelLoadError, export_pretrained, load_model
 

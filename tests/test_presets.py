@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from p2p_diloco.config import PeerConfig, load_config, load_network_section
+from p2p_diloco.config import PeerConfig
 from p2p_diloco.presets import PRESETS as SHIPPED_PRESETS
+from p2p_diloco.settings import load_config, load_network_section
 
 ROOT = Path(__file__).resolve().parents[1]
 BOOTSTRAP_TOML = ROOT / "bootstrap" / "bootstrap.toml"

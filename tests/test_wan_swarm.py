@@ -18,9 +18,9 @@ from bench.chaos.namespaces import NamespaceError, Namespaces
 from bench.chaos.swarm_target import SwarmTarget
 from bench.swarm import Swarm
 from bench.training import TrainingSetup
-from p2p_diloco.config import load_config
 from p2p_diloco.fragments import Fragment, partition
 from p2p_diloco.presets import CORPUS, TINY_MODEL
+from p2p_diloco.settings import load_config
 from p2p_diloco.unit.events import ConsensusBegin, ConsensusRound, Eval, Join
 from p2p_diloco.unit.model import load_model
 

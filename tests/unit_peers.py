@@ -13,11 +13,12 @@ import pytest
 import torch
 from fakes import FakeAverager, FakeGroup, FakeRecords, FakeStateServer
 
-from p2p_diloco.config import PeerConfig, load_config
+from p2p_diloco.config import PeerConfig
 from p2p_diloco.network.state_sync import SwarmState
 from p2p_diloco.presets import CORPUS, TINY_MODEL
 from p2p_diloco.rounds.engine import RoundEngine
 from p2p_diloco.rounds.results import RoundId, RoundKind
+from p2p_diloco.settings import load_config
 from p2p_diloco.streaming import SentRound
 from p2p_diloco.unit.data import load_text_data, shard_seed
 from p2p_diloco.unit.events import E, read_events
