@@ -126,8 +126,8 @@ def _join(args: argparse.Namespace) -> int:
 
     if launched():
         die_with_launcher()  # before the heavy imports: a rank never outlives its launcher
+    from p2p_diloco.ops.launcher import launch_ranks
     from p2p_diloco.peer import run_peer
-    from p2p_diloco.unit.ranks import launch_ranks
 
     if config.run.nproc_per_node > 1 and not launched():
         return launch_ranks(config.run.nproc_per_node, config.run.max_restarts, config.model.device, args.argv)

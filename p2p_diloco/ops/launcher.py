@@ -1,6 +1,6 @@
 """Start and stop peers as separate OS processes: the command lines of ``p2p-diloco bootstrap`` and ``join``, each
-process in a session (process group) of its own, and a clean stop of whole groups. The demo uses it, and so do the
-laboratory's swarms and the tests."""
+process in a session (process group) of its own, and a clean stop of whole groups (the demo uses it, and so do the
+laboratory's swarms and the tests); and the ranks of one unit under torch's elastic launcher (:func:`launch_ranks`)."""
 
 from __future__ import annotations
 
@@ -95,3 +95,28 @@ def stop_process_groups(processes: list[subprocess.Popen], grace_s: float = 20.0
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
     return [process.wait() for process in processes]
+
+
+def launch_ranks(nproc_per_node: int, max_restarts: int, device_choice: str, argv: Sequence[str]) -> int:
+    """Run ``p2p-diloco`` with ``argv`` (a ``join``) as ``nproc_per_node`` ranks under torch's elastic launcher on this
+    host, restarting every rank up to ``max_restarts`` times after one failed; returns 0 once all ranks exited 0.
+    Raises ConfigError for more CUDA ranks than devices, RanksLost when the unit failed after its last restart."""
+    import torch  # the ranks' imports, in the launcher's process alone
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import get_args_parser, run
+
+    from p2p_diloco.config import ConfigError
+    from p2p_diloco.unit.ranks import RanksLost
+
+    devices = torch.cuda.device_count() if device_choice != "cpu" and torch.cuda.is_available() else 0
+    if devices and nproc_per_node > devices:
+        raise ConfigError(f"--nproc-per-node {nproc_per_node} but this host has {devices} CUDA devices")
+    arguments = ["--standalone", f"--nproc-per-node={nproc_per_node}", f"--max-restarts={max_restarts}",
+                 "-m", "p2p_diloco.cli", *argv]  # fmt: skip
+    try:
+        run(get_args_parser().parse_args(arguments))
+    except ChildFailedError as error:
+        rank, failure = error.get_first_failure()
+        raise RanksLost(f"the unit failed {max_restarts + 1} times; the last time rank {rank} exited first, with "
+                        f"status {failure.exitcode} (its log above says why)") from None  # fmt: skip
+    return 0

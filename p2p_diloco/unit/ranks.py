@@ -354,29 +354,6 @@ def join_ranks(device_choice: str, sharded: bool = False) -> Ranks:
     return ranks
 
 
-def launch_ranks(nproc_per_node: int, max_restarts: int, device_choice: str, argv: Sequence[str]) -> int:
-    """Run ``p2p-diloco`` with ``argv`` (a ``join``) as ``nproc_per_node`` ranks under torch's elastic launcher on this
-    host, restarting every rank up to ``max_restarts`` times after one failed; returns 0 once all ranks exited 0.
-    Raises ConfigError for more CUDA ranks than devices, RanksLost when the unit failed after its last restart."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import get_args_parser, run
-
-    from p2p_diloco.config import ConfigError
-
-    devices = torch.cuda.device_count() if device_choice != "cpu" and torch.cuda.is_available() else 0
-    if devices and nproc_per_node > devices:
-        raise ConfigError(f"--nproc-per-node {nproc_per_node} but this host has {devices} CUDA devices")
-    arguments = ["--standalone", f"--nproc-per-node={nproc_per_node}", f"--max-restarts={max_restarts}",
-                 "-m", "p2p_diloco.cli", *argv]  # fmt: skip
-    try:
-        run(get_args_parser().parse_args(arguments))
-    except ChildFailedError as error:
-        rank, failure = error.get_first_failure()
-        raise RanksLost(f"the unit failed {max_restarts + 1} times; the last time rank {rank} exited first, with "
-                        f"status {failure.exitcode} (its log above says why)") from None  # fmt: skip
-    return 0
-
-
 def _schedule_state(inner_state: dict) -> dict:
     """An inner state without its optimizer's (which a sharded unit moves by its shards)."""
     return {key: value for key, value in inner_state.items() if key not in ("optimizer", "layout")}
