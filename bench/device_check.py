@@ -1,6 +1,6 @@
 """The device check: two learning units share one accelerator and train the SmolLM2-135M architecture in bf16
 autocast for a fixed number of steps; the report gives each unit's tokens/s, its peak device memory per parameter and
-its merged outer rounds (``scripts/device_check.py`` runs it; the README says how to carry it to a lent GPU).
+its merged outer rounds (``scripts/device_check.py`` runs it; docs/units.md says how to carry it to a lent GPU).
 
 The architecture is built from ``bench/models/smollm2-135m/config.json`` with weights drawn from the seed, and the
 embedded tokenizer (its ids are a subset of SmolLM2's vocabulary): the pretrained weights (540 MB) cannot travel to a

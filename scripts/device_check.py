@@ -2,7 +2,7 @@
 """The prepared device check (bench/device_check.py): two units train the SmolLM2-135M architecture in bf16 autocast
 on one GPU; tokens/s, peak device memory per parameter and merged outer rounds.
 
-    python scripts/device_check.py --out $OUT            # on a lent GPU (under 5 minutes; see the README)
+    python scripts/device_check.py --out $OUT            # on a lent GPU (under 5 minutes; see docs/units.md)
     .venv/bin/python scripts/device_check.py --out /tmp/check --device cpu --model-config p2p_diloco/assets/tiny-gpt2 \
         --steps 60 --seq-len 64 --batch-size 4             # the same check on this machine's CPU, with the tiny model
 
