@@ -67,14 +67,10 @@ class RoundId:
 
 
 @dataclass(frozen=True)
-class RoundBegin:
-    """A round that was due: ``BEGUN`` (in flight now), ``DEFERRED`` or ``RESET`` (every fragment starts over)."""
+class _OfRound:
+    """A result about one round (:class:`RoundId`)."""
 
     id: RoundId
-    status: RoundStatus
-    outer_round: int  # the fragment's round
-    window_s: float = 0.0  # BEGUN: its matchmaking window
-    weight: int = 0  # BEGUN fragment round: the tokens it carries
 
     @property
     def kind(self) -> RoundKind:
@@ -86,11 +82,20 @@ class RoundBegin:
 
 
 @dataclass(frozen=True)
-class RoundEnd:
+class RoundBegin(_OfRound):
+    """A round that was due: ``BEGUN`` (in flight now), ``DEFERRED`` or ``RESET`` (every fragment starts over)."""
+
+    status: RoundStatus
+    outer_round: int  # the fragment's round
+    window_s: float = 0.0  # BEGUN: its matchmaking window
+    weight: int = 0  # BEGUN fragment round: the tokens it carries
+
+
+@dataclass(frozen=True)
+class RoundEnd(_OfRound):
     """A round that ended: ``MERGED``, ``ALONE``, ``FAILED`` or ``REJECTED``. Built by :meth:`of_fragment` or
     :meth:`of_correction`."""
 
-    id: RoundId
     status: RoundStatus
     outer_round: int  # the fragment's round after it
     unit_outer_round: int  # the unit's (its smallest fragment round) after it
@@ -103,14 +108,6 @@ class RoundEnd:
     overlap_steps: int = 0  # fragment round: inner steps taken while it was in flight
     useful_compute_s: float = 0.0  # merged fragment round: compute of the steps it merged (the fragment's share)
     useful_tokens: int = 0
-
-    @property
-    def kind(self) -> RoundKind:
-        return self.id.kind
-
-    @property
-    def fragment(self) -> int:
-        return self.id.fragment
 
     @property
     def merged(self) -> bool:
