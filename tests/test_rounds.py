@@ -203,7 +203,8 @@ def test_a_non_finite_average_is_rejected_and_a_non_finite_theta_resets_to_phi()
     poisoned = [torch.full_like(tensor, float("nan")) for tensor in plan_of().round_templates(engine.state.local)[0]]
     rogue.begin_round(poisoned, weight=1.0, outer_round=0, window_s=1.0)
     (rejected,) = engine.poll()
-    assert rejected.status is RoundStatus.REJECTED and rejected.error and engine.outer_round == 0
+    assert rejected.status is RoundStatus.REJECTED and rejected.error == "the average was not finite"
+    assert engine.outer_round == 0
     rogue.poll()
     with torch.no_grad():
         engine.state.local[0].view(-1)[0] = float("inf")
@@ -227,6 +228,7 @@ def test_an_average_that_moves_phi_far_beyond_the_units_own_step_is_rejected_and
     other.begin_round([tensor * 1000 for tensor in sent], weight=float(2 * TOKENS), outer_round=0, window_s=1.0)
     (rejected,) = engine.poll()
     assert rejected.status is RoundStatus.REJECTED and not rejected.merged and engine.outer_round == 0
+    assert rejected.error is not None and "own step" in rejected.error
     assert all(torch.equal(a, b) for a, b in zip(engine.state.global_params, phi))
     assert all(torch.equal(a, b) for a, b in zip(engine.state.local, theta))
     other.poll()

@@ -47,6 +47,8 @@ def test_one_line_per_round_with_its_eval(caplog: pytest.LogCaptureFixture) -> N
     lines.write(outer_round(status="alone", group_size=1, fragment=0, unit_outer_round=3, seconds=0.5))
     lines.write(events.InnerStep(step=9, loss=4.0, seconds=0.1))
     lines.write(events.OuterRoundFailed(status="failed", fragment=0, outer_round=4, error="quorum 2 not reached"))
+    not_finite = "the average was not finite"
+    lines.write(events.OuterRoundFailed(status="rejected", fragment=1, outer_round=4, error=not_finite))
     lines.write(events.Stop(inner_step=40, outer_round=4, tokens=1000, eval_loss=4.0, compute_s=10.0,
                             useful_compute_s=9.0, useful_tokens=900, allocated_s=12.0, goodput=0.75,
                             wire_bytes_sent=None, wire_bytes_received=None))  # fmt: skip
@@ -56,6 +58,7 @@ def test_one_line_per_round_with_its_eval(caplog: pytest.LogCaptureFixture) -> N
         "eval loss 4.2500",
         "outer round 3 (fragment 1/2): alone (no other unit in the round), 0.5 s",
         "outer round 4 (fragment 1/2): nothing merged (no group reached the quorum); its steps go into the next round",
+        "outer round 4 (fragment 2/2): nothing merged (the average was not finite); its steps go into the next round",
         "left after 40 inner steps and 4 outer rounds: 1000 tokens, goodput 75%",
     ]
     assert not any("Exception" in line or "quorum 2" in line for line in logged(caplog)), "no exception text"

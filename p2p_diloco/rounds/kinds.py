@@ -70,9 +70,10 @@ class FragmentRound:
         state = self.state
         rounds = state.fragments[number]
         rounds.steps_since_round = 0
-        status = status_of(outcome, check_tags=False)
+        status, error = status_of(outcome, check_tags=False), outcome.error
         if status is RoundStatus.REJECTED:
             logger.error("rejected a non-finite average in outer round %d", rounds.outer_round)
+            error = "the average was not finite"
         merged = None
         if status in MERGES:
             assert outcome.averaged is not None
@@ -81,6 +82,7 @@ class FragmentRound:
             what = f"outer round {rounds.outer_round} of fragment {number}"
             if not plausible_step(what, step, sent.step_scale):
                 status, merged = RoundStatus.REJECTED, None
+                error = f"the average moves φ more than {MAX_STEP_RATIO:g}× as far as this unit's own step"
         unit_round_before = state.outer_round
         if merged is None:
             rounds.carry(sent)
@@ -88,7 +90,7 @@ class FragmentRound:
             self._merge(rounds.fragment, merged, sent)
             rounds.outer_round = max(rounds.outer_round, outcome.max_member_round) + 1
         useful = (sent.compute_s * rounds.share, round(sent.tokens * rounds.share)) if merged is not None else (0.0, 0)
-        return RoundEnd.of_fragment(number, status, outcome, (rounds.outer_round, state.outer_round),
+        return RoundEnd.of_fragment(number, status, outcome, (rounds.outer_round, state.outer_round), error=error,
                                     advanced=state.outer_round > unit_round_before, weight=sent.tokens,
                                     overlap_steps=state.steps - sent.inner_step, useful=useful)  # fmt: skip
 

@@ -121,14 +121,14 @@ class RoundEnd(_OfRound):
         outcome: RoundOutcome,
         rounds: tuple[int, int],
         *,
+        error: str | None,
         advanced: bool,
         weight: int,
         overlap_steps: int,
         useful: tuple[float, int],
     ) -> RoundEnd:
-        """Fragment ``number``'s round: ``rounds`` are the fragment's and the unit's outer rounds after it, ``useful``
-        the compute and tokens it made useful."""
-        error = "the average was not finite" if status is RoundStatus.REJECTED else outcome.error
+        """Fragment ``number``'s round: ``rounds`` are the fragment's and the unit's outer rounds after it, ``error``
+        why it changed nothing, ``useful`` the compute and tokens it made useful."""
         seconds = outcome.finished_at - outcome.started_at
         return cls(RoundId(RoundKind.FRAGMENT, number), status, *rounds, outcome.group_size, outcome.member_drift,
                    seconds, error, advanced, weight, overlap_steps, *useful)  # fmt: skip

@@ -87,7 +87,8 @@ class OuterRound(Event):
 
 
 class OuterRoundFailed(Event):
-    """A fragment round that changed nothing: no usable group (``failed``) or a non-finite average (``rejected``);
+    """A fragment round that changed nothing: no usable group (``failed``) or an average that was non-finite or moved φ
+    beyond the step bound (``rejected``, ``error`` says which);
     its tokens and compute go into the fragment's next round."""
 
     event = "outer_round_failed"

@@ -190,7 +190,7 @@ class RoundLines:
         if isinstance(event, events.OuterRound):
             self._held = self._round_line(event)
         elif isinstance(event, events.OuterRoundFailed):
-            why = "no group reached the quorum" if event.status == "failed" else "the group's average was not finite"
+            why = "no group reached the quorum" if event.status == "failed" else event.error or "rejected"
             logger.info("outer round %d %s: nothing merged (%s); its steps go into the next round", event.outer_round,
                         self._fragment(event.fragment), why)  # fmt: skip
         elif isinstance(event, events.Eval):
