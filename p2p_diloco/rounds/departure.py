@@ -72,7 +72,7 @@ class Departure:
     now: Callable[[], float]
     settle_averager: Callable[[list[torch.Tensor]], Averager] | None = None
     refuses: Callable[[str], bool] = lambda _peer_id: False
-    _seen_finishing: set[str] = field(default_factory=set)
+    _seen_finishing: set[str] = field(default_factory=set, init=False)  # units a read showed finishing
 
     def leave(self, step_time_s: float | None) -> None:
         """Announce, hand over the last steps, settle, announce the departure (steps 1 to 5 of the module
