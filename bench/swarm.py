@@ -26,13 +26,10 @@ T = TypeVar("T")
 
 QUICK_UNIT_FLAGS = (
     "--threads", "1", "--seq-len", "64", "--batch-size", "4", "--inner-steps", "10", "--join-timeout-s", "30",
-    "--min-window-s", "1",
 )  # fmt: skip
 """Quick units: the tiny preset's ~1 M parameter GPT-2, 4 x 64 tokens per step, a round every 10 steps, one torch
 thread each (several units share a CI machine's two cores; with torch's default of a thread per core in every unit,
-the red team's joiner test took 119 s instead of 105 s), a matchmaking window of 1 s (their 10 steps take ~0.5 s, so
-the default minimum of 2 s set the pace of their rounds and of the settle grid at exit: five swarm tests took 173 s
-instead of 189 s)."""
+the red team's joiner test took 119 s instead of 105 s)."""
 
 
 class Swarm:
