@@ -70,7 +70,7 @@ def run_variant(spec: SecuritySpec, root: Path, identities: Path) -> dict[str, A
             swarm.unit("red", [maddr], cli=red_team_cli(spec.variant))
         swarm.wait_for(lambda: all(not swarm.running(name) for name in honest), timeout_s=1800,
                        what="the honest units to finish their steps")  # fmt: skip
-        exits = {name: swarm.processes[name].returncode for name in honest}
+        exits = {name: swarm.processes[name].wait() for name in honest}  # each has exited
     finally:
         swarm.close(grace_s=EXIT_GRACE_S)
     return measure(spec, root, honest, exits, time.time() - started)

@@ -10,16 +10,25 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
+from bench import preloaded
 from bench.chaos import faults
 from bench.chaos.network import ChaosNetwork, Loopback
 from p2p_diloco.lifecycle import descendant_pids, is_running
-from p2p_diloco.ops.launcher import CLI, bootstrap_command, join_command, spawn, start_bootstrap, stop_process_groups
+from p2p_diloco.ops.launcher import (
+    BOOTSTRAP_TIMEOUT_S,
+    CLI,
+    ChildProcess,
+    bootstrap_command,
+    join_command,
+    spawn,
+    start_bootstrap,
+    stop_process_groups,
+)
 from p2p_diloco.unit.events import E, Join, OuterRound, read_events
 
 T = TypeVar("T")
@@ -34,7 +43,9 @@ the red team's joiner test took 119 s instead of 105 s)."""
 
 class Swarm:
     """Named nodes under ``root``. ``unit_flags`` go to every unit's ``p2p-diloco join`` after the launcher's own
-    (e.g. a test's small batches or a benchmark's training setup); the flags of one :meth:`unit` call come last."""
+    (e.g. a test's small batches or a benchmark's training setup); the flags of one :meth:`unit` call come last.
+    ``preloaded``: nodes on 127.0.0.1 start from a fork server that imported their modules once
+    (bench/preloaded.py: the tests' swarms; a benchmark's timings include the start-up a user pays)."""
 
     def __init__(
         self,
@@ -42,11 +53,13 @@ class Swarm:
         run_id: str = "test",
         network: ChaosNetwork | None = None,
         unit_flags: Sequence[str] = (),
+        preloaded: bool = False,
     ):
         self.root, self.run_id = Path(root), run_id
         self.network: ChaosNetwork = network if network is not None else Loopback()
         self.unit_flags = list(unit_flags)
-        self.processes: dict[str, subprocess.Popen] = {}
+        self.preloaded = preloaded and isinstance(self.network, Loopback)
+        self.processes: dict[str, ChildProcess] = {}
         self.killed: set[str] = set()  # nodes whose exit is expected (a fault), not an error
         self.frozen: dict[str, list[int]] = {}
         self.faulted_pids: set[int] = set()  # every pid a fault was applied to, checked gone after close()
@@ -56,29 +69,44 @@ class Swarm:
     # ----------------------------------------------------------------------------------------------- nodes
     def bootstrap(self, name: str, initial_peers: tuple[str, ...] = (), port: int = 0) -> str:
         """Start a bootstrap node and wait for its multiaddr (the first one started is ``bootstrap_maddr``)."""
-        process, maddr = start_bootstrap(
-            self.root / name,
-            initial_peers,
-            host=self.network.host(name),
-            port=port,
-            wrap=lambda command: self.network.wrap(name, command),
-        )
-        self.processes[name] = process
+        if self.preloaded:
+            maddr = self._start_preloaded_bootstrap(name, initial_peers, port)
+        else:
+            self.processes[name], maddr = start_bootstrap(
+                self.root / name,
+                initial_peers,
+                host=self.network.host(name),
+                port=port,
+                wrap=lambda command: self.network.wrap(name, command),
+            )
         self.killed.discard(name)
         self.bootstrap_nodes.add(name)
         self.bootstrap_maddr = self.bootstrap_maddr or maddr
         return maddr
 
-    def restart_bootstrap(self, name: str, port: int) -> subprocess.Popen:
+    def _start_preloaded_bootstrap(self, name: str, initial_peers: tuple[str, ...], port: int) -> str:
+        """:func:`start_bootstrap` from the fork server: its multiaddr is read from its log rather than a pipe."""
+        work_dir, host = self.root / name, self.network.host(name)
+        work_dir.mkdir(parents=True, exist_ok=True)
+        log = work_dir / "bootstrap.log"
+        self.processes[name] = self._start(bootstrap_command(work_dir, initial_peers, host, port), log)
+
+        def maddr() -> str | None:
+            words = log.read_text().split() if log.exists() else []
+            return next((w for w in words if w.startswith(f"/ip4/{host}/") and "/p2p/" in w), None)
+
+        return self.wait_for(maddr, BOOTSTRAP_TIMEOUT_S, f"the multiaddr of {name}")
+
+    def restart_bootstrap(self, name: str, port: int) -> ChildProcess:
         """Start bootstrap node ``name`` again on ``port`` with its identity (same multiaddr); does not wait for it."""
         work_dir = self.root / name
         command = bootstrap_command(work_dir, host=self.network.host(name), port=port)
-        self.processes[name] = spawn(self.network.wrap(name, command), work_dir / "bootstrap.log")
+        self.processes[name] = self._start(self.network.wrap(name, command), work_dir / "bootstrap.log")
         self.killed.discard(name)
         return self.processes[name]
 
     def unit(self, name: str, initial_peers: Sequence[str], *flags: str, duration_s: float = 600.0,
-             cli: Sequence[str] = CLI) -> subprocess.Popen:  # fmt: skip
+             cli: Sequence[str] = CLI) -> ChildProcess:  # fmt: skip
         """Start learning unit ``name`` (again, on the same work dir, if it ran before) joining through
         ``initial_peers``, training for ``duration_s`` seconds; ``cli`` replaces the package's CLI (e.g. by a
         modified copy: the red team's units)."""
@@ -86,7 +114,7 @@ class Swarm:
         work_dir.mkdir(parents=True, exist_ok=True)
         command = join_command(initial_peers, work_dir, duration_s, self.run_id, cli)
         command += ["--host-maddrs", f"/ip4/{self.network.host(name)}/tcp/0", *self.unit_flags, *flags]
-        self.processes[name] = spawn(self.network.wrap(name, command), work_dir / "stdout.log")
+        self.processes[name] = self._start(self.network.wrap(name, command), work_dir / "stdout.log")
         self.killed.discard(name)
         return self.processes[name]
 
@@ -97,7 +125,7 @@ class Swarm:
         work_dir.mkdir(parents=True, exist_ok=True)
         command = [*CLI, "dashboard", "--run-id", self.run_id, "--initial-peers", *initial_peers,
                    "--host", self.network.host(name), "--port", "0", "--interval", str(interval_s)]  # fmt: skip
-        self.processes[name] = spawn(self.network.wrap(name, command), work_dir / "stdout.log")
+        self.processes[name] = self._start(self.network.wrap(name, command), work_dir / "stdout.log")
         self.killed.discard(name)
         log = work_dir / "stdout.log"
 
@@ -106,6 +134,11 @@ class Swarm:
             return lines[-1].rsplit(" at ", 1)[1] if lines else None
 
         return self.wait_for(address, timeout_s, f"the address of {name}")
+
+    def _start(self, command: list[str], log_path: Path) -> ChildProcess:
+        if self.preloaded and preloaded.can_start(command):
+            return preloaded.start(command, log_path)
+        return spawn(command, log_path)
 
     def running(self, name: str) -> bool:
         process = self.processes.get(name)

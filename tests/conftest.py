@@ -15,19 +15,18 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 LEFTOVER_MARK = "P2P_DILOCO_TEST_SESSION"
 os.environ[LEFTOVER_MARK] = str(os.getpid())
 LEFTOVER_WAIT_S = 10.0
-# torch's helper for shared memory: started once per process that shares tensors, it exits with its last client
-TORCH_HELPERS = {"torch_shm_manager"}
 
+from swarms import session_helper  # noqa: E402
 from unit_peers import make_peer  # noqa: E402,F401  (the fixture, shared by the unit test modules)
 
 
 def _marked_processes() -> list[psutil.Process]:
-    """Live processes (other than this one) that carry this session's mark."""
+    """Live processes (other than this one and its helpers) that carry this session's mark."""
     found = []
     for process in psutil.process_iter():
         try:
             if (process.pid != os.getpid() and process.status() != psutil.STATUS_ZOMBIE
-                    and process.name() not in TORCH_HELPERS
+                    and not session_helper(process)
                     and process.environ().get(LEFTOVER_MARK) == os.environ[LEFTOVER_MARK]):  # fmt: skip
                 found.append(process)
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):

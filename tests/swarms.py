@@ -1,10 +1,14 @@
-"""The tests' real swarms (``bench/swarm.py``) with quick units (``QUICK_UNIT_FLAGS`` there)."""
+"""The tests' real swarms (``bench/swarm.py``) with quick units (``QUICK_UNIT_FLAGS`` there), their nodes started
+from a fork server that imported the unit's modules once (``bench/preloaded.py``)."""
 
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
+
+import psutil
 
 from bench.swarm import QUICK_UNIT_FLAGS, Swarm, wait_until
 from p2p_diloco.config import NetworkSection
@@ -14,10 +18,25 @@ from p2p_diloco.network.membership import RunAccess
 from p2p_diloco.network.records import SwarmRecords, record_validators
 
 RUN_ID = "test"
+TORCH_SHM_MANAGER = "torch_shm_manager"
+"""torch's helper for shared memory: started once per process that shares tensors, it exits with its last client."""
+FORK_SERVER_COMMANDS = ("from multiprocessing.forkserver import", "from multiprocessing.resource_tracker import")
+"""The fork server the swarms start their nodes from (bench/preloaded.py) and multiprocessing's resource tracker:
+started by this process once, they exit with it."""
 
 
-def quick_swarm(root: Path) -> Swarm:
-    return Swarm(root, unit_flags=QUICK_UNIT_FLAGS)
+def session_helper(process: psutil.Process) -> bool:
+    """Whether ``process`` lives as long as this test session by design (torch's shared-memory manager, or a helper
+    of the fork server), rather than having been left behind by a test. psutil.Error if it is gone."""
+    command = " ".join(process.cmdline())
+    return TORCH_SHM_MANAGER in process.name() or (
+        process.ppid() == os.getpid() and any(helper in command for helper in FORK_SERVER_COMMANDS)
+    )
+
+
+def quick_swarm(root: Path, *unit_flags: str) -> Swarm:
+    """A swarm on 127.0.0.1 whose units are quick units with ``unit_flags`` added."""
+    return Swarm(root, unit_flags=(*QUICK_UNIT_FLAGS, *unit_flags), preloaded=True)
 
 
 def close_leaving_nothing(swarm: Swarm, gone_s: float = 15.0) -> None:

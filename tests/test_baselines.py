@@ -13,8 +13,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
+import psutil
 import pytest
 import torch
+from swarms import session_helper
 
 from bench.chaos.gang import GangTarget, eval_points, kept_step_limits, unit_results
 from bench.chaos.network import Loopback
@@ -32,9 +34,6 @@ def _start(incarnation: int, resumed_step: int, world_size: int = 2) -> RankStar
     return RankStart(
         incarnation=incarnation, rank=0, world_size=world_size, resumed_step=resumed_step, tokens_in_model=0
     )
-
-
-SHM = "torch_shm_manager"
 
 
 def _steps(incarnation: int, first: int, last: int, compute_s: float = 1.0, tokens: int = 10) -> list[RankStep]:
@@ -237,8 +236,8 @@ def test_fixed_gang_restarts_every_rank_from_the_checkpoint_once_the_crashed_uni
     gang = tmp_path / "gang.jsonl"
     pids = [int(pid) for event in read_events(gang, JobStart) for pid in event.pids.split()]
     pids += [event.pid for event in read_events(gang, RendezvousStart)]
-    # torch's shared-memory daemon (started by any in-process averager of an earlier test) lives as long as pytest
-    started = [pid for pid in descendant_pids(os.getpid()) if SHM not in Path(f"/proc/{pid}/cmdline").read_text()]
+    # helpers that live as long as pytest (torch's shared-memory manager, the swarms' fork server) are not the gang's
+    started = [pid for pid in descendant_pids(os.getpid()) if not session_helper(psutil.Process(pid))]
     assert len(pids) == 5 and not [pid for pid in pids if is_running(pid)] and not started
     assert not [event for unit in (0, 1) for event in _events(tmp_path, unit, RankFailed) if event.incarnation == 1]
     assert [event.rank for unit in (0, 1) for event in _events(tmp_path, unit, RankStop)] == [0, 1]

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from swarms import close_leaving_nothing
+from swarms import close_leaving_nothing, quick_swarm
 
-from bench.swarm import QUICK_UNIT_FLAGS, Swarm
+from bench.swarm import Swarm
 from p2p_diloco.checkpoint import load_checkpoint
 from p2p_diloco.unit.events import ConsensusRound, Eval, Stop
 
@@ -32,7 +32,7 @@ HELD_UP_S = 25.0  # the held-up unit's stop at exit: longer than the others' 4 s
 
 @pytest.fixture
 def swarm(tmp_path: Path) -> Iterator[Swarm]:
-    swarm = Swarm(tmp_path, unit_flags=(*QUICK_UNIT_FLAGS, "--target-group-size", "2"))
+    swarm = quick_swarm(tmp_path, "--target-group-size", "2")
     try:
         yield swarm
     finally:

@@ -12,10 +12,23 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 BOOTSTRAP_TIMEOUT_S = 60.0
 CLI = [sys.executable, "-m", "p2p_diloco.cli"]
+
+
+class ChildProcess(Protocol):
+    """A started peer process: ``subprocess.Popen`` or a look-alike (the laboratory's preloaded nodes)."""
+
+    pid: int
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
 
 
 def join_command(initial_peers: Sequence[str], work_dir: Path, duration_s: float, run_id: str,
@@ -80,7 +93,7 @@ def spawn(command: list[str], log_path: Path, **popen_kwargs: Any) -> subprocess
         return subprocess.Popen(command, stderr=stderr, start_new_session=True, **popen_kwargs)
 
 
-def stop_process_groups(processes: list[subprocess.Popen], grace_s: float = 20.0) -> list[int]:
+def stop_process_groups(processes: Sequence[ChildProcess], grace_s: float = 20.0) -> list[int]:
     """SIGTERM every process's group at once, wait up to ``grace_s`` in all, then SIGKILL the groups still
     there; returns the exit codes in order."""
     for process in processes:
