@@ -268,6 +268,9 @@ class _NoStateServer:
     def download(self, timeout_s: float) -> SwarmState | None:
         return None
 
+    def declared_round(self) -> int:
+        return -1
+
 
 # ------------------------------------------------------------------------------------------------------ methods
 def run_method(method: Method, budget: Budget, work_dir: Path) -> MethodResult:

@@ -198,6 +198,10 @@ class FakeStateServer:
         self.downloads += 1
         return None if self.served is None else _copy_state(self.served)
 
+    def declared_round(self) -> int:
+        """A served state is declared by its donor's record, as in a swarm."""
+        return -1 if self.served is None else self.served.outer_round
+
 
 def _copy_state(state: SwarmState) -> SwarmState:
     return SwarmState(

@@ -292,6 +292,16 @@ def test_join_adopts_the_swarm_state_of_a_later_round(make_peer: PeerFactory) ->
     assert a.events(StateDownload)[-1].outer_round == 7
 
 
+def test_join_believes_a_donor_record_fresher_than_the_progress_records(make_peer: PeerFactory) -> None:
+    """The progress records (every 10 s) still say round 0 while the donors already declare round 4: the joiner
+    downloads the state rather than training from the initial weights (seen in a swarm test right after a join)."""
+    template = make_peer("template", FakeGroup()).unit
+    served = SwarmState(clone_all(template.state.global_params), clone_all(template.state.momentum), [4], 40, 0)
+    records = FakeRecords({"donor": progress("donor", 0, template.loaded.fingerprint)})
+    a = make_peer("a", FakeGroup(), records=records, served=served)
+    assert a.unit.join() == "swarm" and a.unit.outer_round == 4 and a.state_server.downloads == 1
+
+
 def test_a_unit_at_momentum_zero_keeps_serves_and_checkpoints_no_momentum(make_peer: PeerFactory) -> None:
     """At outer momentum 0, m would never be read: the unit holds none (4 bytes per parameter less, and as many in its
     state server), merges rounds without it, checkpoints and serves none, and drops a downloaded state's momentum."""

@@ -88,6 +88,8 @@ class StateService(Protocol):
 
     def download(self, timeout_s: float) -> SwarmState | None: ...
 
+    def declared_round(self) -> int: ...
+
 
 class DonorRecords(Protocol):
     """Where donors are declared and found (records.py ``SwarmRecords``)."""
@@ -273,6 +275,13 @@ class StateServer:
                 logger.warning("states of %s and %s disagree: %s", earlier.peer_id, donor.peer_id, disagreement)
             taken.append((donor, state))
         return None
+
+    def declared_round(self) -> int:
+        """The latest outer round that the other units' believed donor records declare (-1: none). Donors declare
+        every round their state advances, so this is fresher than the progress records (published every 10 s);
+        never raises for network failures (no record read: -1)."""
+        donors = self._believed_donors(failed=set())
+        return donors[0].outer_round if donors else -1
 
     def _believed_donors(self, failed: set[str]) -> list[DonorRecord]:
         """The other units' donor records whose rounds are believed among those of the donors not known to be

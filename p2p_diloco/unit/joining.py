@@ -2,8 +2,10 @@
 
 Join rule: if live peers report a later outer round than this unit's local checkpoint (or it has none), the unit
 downloads φ, the outer momentum and the counters from a live peer and trains from φ; otherwise it resumes its
-checkpoint, or starts from the initial weights when the swarm has no state yet. A round claimed far ahead of the
-others' is not believed (members.py ``believed_rounds``).
+checkpoint, or starts from the initial weights when the swarm has no state yet. The round a swarm is at is the later
+of the units' progress records (published every 10 s) and their donor records (declared every round: a unit that
+joined while the progress records still said round 0 trained from the initial weights). A round claimed far ahead of
+the others' is not believed (members.py ``believed_rounds``).
 """
 
 from __future__ import annotations
