@@ -34,7 +34,7 @@ PRELOADED_MODULES = [
     "datasets",
 ]
 """What a unit of the tiny preset imports before it trains (the fork server imports them once, at its start). Not
-the modules that nodes run as ``__main__`` (``p2p_diloco.cli``): those run from a fresh copy, as in a new interpreter."""
+the modules that nodes run as ``__main__`` (``p2p_diloco.cli``): those run afresh, as in a new interpreter."""
 
 _context = multiprocessing.get_context("forkserver")
 _context.set_forkserver_preload(PRELOADED_MODULES)

@@ -34,9 +34,10 @@ def session_helper(process: psutil.Process) -> bool:
     )
 
 
-def quick_swarm(root: Path, *unit_flags: str) -> Swarm:
-    """A swarm on 127.0.0.1 whose units are quick units with ``unit_flags`` added."""
-    return Swarm(root, unit_flags=(*QUICK_UNIT_FLAGS, *unit_flags), preloaded=True)
+def quick_swarm(root: Path, *unit_flags: str, preloaded: bool = True) -> Swarm:
+    """A swarm on 127.0.0.1 whose units are quick units with ``unit_flags`` added; ``preloaded``: its nodes are
+    forked from the fork server (else started as new interpreters, as a user starts them)."""
+    return Swarm(root, unit_flags=(*QUICK_UNIT_FLAGS, *unit_flags), preloaded=preloaded)
 
 
 def close_leaving_nothing(swarm: Swarm, gone_s: float = 15.0) -> None:

