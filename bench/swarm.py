@@ -35,10 +35,13 @@ T = TypeVar("T")
 
 QUICK_UNIT_FLAGS = (
     "--threads", "1", "--seq-len", "64", "--batch-size", "4", "--inner-steps", "10", "--join-timeout-s", "30",
+    "--allreduce-timeout-s", "10",
 )  # fmt: skip
 """Quick units: the tiny preset's ~1 M parameter GPT-2, 4 x 64 tokens per step, a round every 10 steps, one torch
 thread each (several units share a CI machine's two cores; with torch's default of a thread per core in every unit,
-the red team's joiner test took 119 s instead of 105 s)."""
+the red team's joiner test took 119 s instead of 105 s), and an all-reduce bounded at 10 s (theirs take under a
+second; a member that left matchmaking alone while the others began the all-reduce made them wait the default 30 s:
+once or twice in each whole suite)."""
 
 
 class Swarm:

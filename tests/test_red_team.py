@@ -20,7 +20,7 @@ pytestmark = pytest.mark.swarm
 
 HONEST = ("a", "b")
 ROUNDS_WITH_THE_RED_UNIT = 3
-EXIT_GRACE_S = 90.0  # a unit's exit may take its final rounds and settle rounds (up to 33 s each for quick units)
+EXIT_GRACE_S = 90.0  # a unit's exit may take its final rounds and settle rounds (up to 13 s each for quick units)
 
 
 def test_round_metadata_out_of_range_is_not_believed(tmp_path: Path) -> None:
