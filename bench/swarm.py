@@ -25,6 +25,7 @@ from p2p_diloco.ops.launcher import (
     ChildProcess,
     bootstrap_command,
     join_command,
+    multiaddr_on,
     spawn,
     start_bootstrap,
     stop_process_groups,
@@ -95,8 +96,7 @@ class Swarm:
         self.processes[name] = self._start(bootstrap_command(work_dir, initial_peers, host, port), log)
 
         def maddr() -> str | None:
-            words = log.read_text().split() if log.exists() else []
-            return next((w for w in words if w.startswith(f"/ip4/{host}/") and "/p2p/" in w), None)
+            return multiaddr_on(host, log.read_text().split() if log.exists() else [])
 
         return self.wait_for(maddr, BOOTSTRAP_TIMEOUT_S, f"the multiaddr of {name}")
 
@@ -171,8 +171,7 @@ class Swarm:
             log = self.root / name / "stdout.log"
             if log.exists():
                 texts += [line for line in log.read_text().splitlines() if "other peers can join through:" in line]
-            words = [word for text in reversed(texts) for word in text.split()]
-            return next((w for w in words if w.startswith(f"/ip4/{host}/") and "/p2p/" in w), None)
+            return multiaddr_on(host, [word for text in reversed(texts) for word in text.split()])
 
         return self.wait_for(find, timeout_s, f"the multiaddr of {name}")
 

@@ -10,7 +10,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -77,11 +77,15 @@ def start_bootstrap(
         line = process.stdout.readline()
         if not line:
             break
-        for word in line.split():
-            if word.startswith(f"/ip4/{host}/") and "/p2p/" in word:
-                return process, word
+        if maddr := multiaddr_on(host, line.split()):
+            return process, maddr
     stop_process_groups([process])
     raise RuntimeError(f"the bootstrap node printed no multiaddr; see {work_dir / 'bootstrap.log'}")
+
+
+def multiaddr_on(host: str, words: Iterable[str]) -> str | None:
+    """The first of ``words`` that is a peer's multiaddr on IPv4 ``host`` (None: none)."""
+    return next((word for word in words if word.startswith(f"/ip4/{host}/") and "/p2p/" in word), None)
 
 
 def spawn(command: list[str], log_path: Path, **popen_kwargs: Any) -> subprocess.Popen:
