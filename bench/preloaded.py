@@ -1,4 +1,4 @@
-"""Node processes that skip the ~5 CPU-seconds of imports a unit pays at start (torch, hivemind, transformers,
+"""Node processes that skip most of the ~5 CPU-seconds of imports a unit pays at start (torch, transformers,
 datasets): each is forked from one fork server (multiprocessing's ``forkserver``) that imported those modules once.
 
 A node started here is still a process of its own in a session of its own, running the same program as
@@ -25,16 +25,12 @@ from collections.abc import Sequence
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 
-PRELOADED_MODULES = [
-    "p2p_diloco.settings",
-    "p2p_diloco.peer",
-    "p2p_diloco.unit.unit",
-    "p2p_diloco.ops.bootstrap_node",
-    "transformers.models.gpt2.modeling_gpt2",
-    "datasets",
-]
-"""What a unit of the tiny preset imports before it trains (the fork server imports them once, at its start). Not
-the modules that nodes run as ``__main__`` (``p2p_diloco.cli``): those run afresh, as in a new interpreter."""
+PRELOADED_MODULES = ["torch", "transformers.models.gpt2.modeling_gpt2", "datasets"]
+"""The bulk of what a unit of the tiny preset imports (~4 of its ~5 CPU-seconds), imported once by the fork server.
+Not hivemind, nor the modules of this project that import it: hivemind makes process-shared locks at import
+(``MPFuture``'s), which every node forked from the server would then share, and a node SIGKILLed while holding one
+hung every later node at its start (seen in a whole suite). Nor the programs that nodes run as ``__main__``: those
+run afresh, as in a new interpreter (tests/test_preloaded.py checks that these modules make no such lock)."""
 
 _context = multiprocessing.get_context("forkserver")
 _context.set_forkserver_preload(PRELOADED_MODULES)

@@ -61,6 +61,23 @@ def test_a_module_runs_and_a_killed_node_reports_its_signal(tmp_path: Path) -> N
     assert process.returncode == -signal.SIGKILL
 
 
+def test_the_preloaded_modules_make_no_process_shared_lock() -> None:
+    """A lock made at import in the fork server would be shared by every node forked from it: one node killed while
+    holding it hangs all later ones (hivemind's import makes four; it is not preloaded)."""
+    script = (
+        "import gc, importlib, sys, multiprocessing.synchronize as s\n"
+        "for name in sys.argv[1:]:\n"
+        "    importlib.import_module(name)\n"
+        "print(sum(isinstance(o, s.SemLock) for o in gc.get_objects()))\n"
+    )
+    run = subprocess.run([sys.executable, "-W", "ignore", "-c", script, *preloaded.PRELOADED_MODULES],
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert run.returncode == 0 and run.stdout.split() == ["0"], run.stdout + run.stderr
+    hivemind = subprocess.run([sys.executable, "-W", "ignore", "-c", script, "hivemind"],
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert int(hivemind.stdout.split()[-1]) > 0, "the check finds the locks it is for"
+
+
 def test_only_this_python_running_a_module_or_a_script_is_started_so(tmp_path: Path) -> None:
     assert preloaded.can_start([sys.executable, "-m", "p2p_diloco.cli"])
     assert not preloaded.can_start(["ip", "netns", "exec", "node", sys.executable, "-m", "p2p_diloco.cli"])
