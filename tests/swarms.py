@@ -1,5 +1,5 @@
 """The tests' real swarms (``bench/swarm.py``) with quick units (``QUICK_UNIT_FLAGS`` there), their nodes started
-from a fork server that imported the unit's modules once (``bench/preloaded.py``)."""
+from a fork server that imported torch, transformers and datasets once (``bench/preloaded.py``)."""
 
 from __future__ import annotations
 
