@@ -268,8 +268,8 @@ class _NoStateServer:
     def download(self, timeout_s: float) -> SwarmState | None:
         return None
 
-    def declared_round(self) -> int:
-        return -1
+    def declared_rounds(self) -> dict[str, int]:
+        return {}
 
 
 # ------------------------------------------------------------------------------------------------------ methods

@@ -198,9 +198,9 @@ class FakeStateServer:
         self.downloads += 1
         return None if self.served is None else _copy_state(self.served)
 
-    def declared_round(self) -> int:
-        """A served state is declared by its donor's record, as in a swarm."""
-        return -1 if self.served is None else self.served.outer_round
+    def declared_rounds(self) -> dict[str, int]:
+        """A served state is declared by the record of its donor (peer ``donor``), as in a swarm."""
+        return {} if self.served is None else {"donor": self.served.outer_round}
 
 
 def _copy_state(state: SwarmState) -> SwarmState:

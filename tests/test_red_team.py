@@ -14,7 +14,7 @@ from test_swarm import assert_joined_from_swarm
 from bench.red_team import FORGED_ROUND, admitted_flags, red_team_cli
 from p2p_diloco.network.dht import ensure_identity
 from p2p_diloco.trust import MAX_ROUND_LEAD
-from p2p_diloco.unit.events import Eval, LocalReset
+from p2p_diloco.unit.events import Eval, InnerStep, LocalReset
 
 pytestmark = pytest.mark.swarm
 
@@ -127,6 +127,8 @@ def test_a_joiner_takes_neither_a_poisoned_state_nor_a_flood_of_donors_nor_forge
         maddr = swarm.bootstrap("bootstrap")
         for name in HONEST:
             swarm.unit(name, [maddr])
+        swarm.wait_for(lambda: all(len(swarm.events(n, InnerStep)) >= 2 for n in HONEST), timeout_s=90,
+                       what="the honest units training (progress records out, for the red unit to forge)")  # fmt: skip
         swarm.unit("red", [maddr], cli=red_team_cli("state-far-ahead", "donor-flood", "record-forgery"))
         swarm.wait_for(lambda: all(len(swarm.rounds(n)) >= 3 for n in HONEST) and swarm.rounds("red"), timeout_s=180,
                        what="3 rounds of the honest units, one of the red unit (its records are out)")  # fmt: skip

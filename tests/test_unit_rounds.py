@@ -47,7 +47,7 @@ from p2p_diloco.unit.events import (
     Stop,
 )
 from p2p_diloco.unit.goodput import GoodputLedger
-from p2p_diloco.unit.joining import JoinError
+from p2p_diloco.unit.joining import JoinError, swarm_round
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -300,6 +300,17 @@ def test_join_believes_a_donor_record_fresher_than_the_progress_records(make_pee
     records = FakeRecords({"donor": progress("donor", 0, template.loaded.fingerprint)})
     a = make_peer("a", FakeGroup(), records=records, served=served)
     assert a.unit.join() == "swarm" and a.unit.outer_round == 4 and a.state_server.downloads == 1
+
+
+def test_the_swarm_round_counts_donor_records_only_of_units_that_publish_progress() -> None:
+    """A unit's donor record raises its progress claim; donor records of identities that publish no progress (a
+    flood of them, or a red unit whose progress records are refused) do not count, however many there are."""
+    records = {peer: progress(peer, 0, "f") for peer in ("a", "b")}
+    assert swarm_round(records, {"a": 4, "b": 3}, peer_id="joiner") == 4
+    flood = {"red": 10**6, **{f"sybil-{index}": 10**6 + 4 for index in range(8)}}
+    assert swarm_round(records, flood, peer_id="joiner") == 0
+    assert swarm_round(records, {"a": 4, "joiner": 9}, peer_id="joiner") == 4
+    assert swarm_round({}, flood, peer_id="joiner") == -1
 
 
 def test_a_unit_at_momentum_zero_keeps_serves_and_checkpoints_no_momentum(make_peer: PeerFactory) -> None:

@@ -88,7 +88,7 @@ class StateService(Protocol):
 
     def download(self, timeout_s: float) -> SwarmState | None: ...
 
-    def declared_round(self) -> int: ...
+    def declared_rounds(self) -> dict[str, int]: ...
 
 
 class DonorRecords(Protocol):
@@ -276,12 +276,11 @@ class StateServer:
             taken.append((donor, state))
         return None
 
-    def declared_round(self) -> int:
-        """The latest outer round that the other units' believed donor records declare (-1: none). Donors declare
-        every round their state advances, so this is fresher than the progress records (published every 10 s);
-        never raises for network failures (no record read: -1)."""
-        donors = self._believed_donors(failed=set())
-        return donors[0].outer_round if donors else -1
+    def declared_rounds(self) -> dict[str, int]:
+        """The outer round each other unit's donor record declares, by peer id, believed or not (empty when the DHT
+        cannot be read). Donors declare every round their state advances: fresher than the progress records."""
+        donors = self._donors.read_donors(self._prefix)
+        return {peer: donor.outer_round for peer, donor in donors.items() if peer != self._peer_id}
 
     def _believed_donors(self, failed: set[str]) -> list[DonorRecord]:
         """The other units' donor records whose rounds are believed among those of the donors not known to be

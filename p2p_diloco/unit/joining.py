@@ -2,10 +2,10 @@
 
 Join rule: if live peers report a later outer round than this unit's local checkpoint (or it has none), the unit
 downloads φ, the outer momentum and the counters from a live peer and trains from φ; otherwise it resumes its
-checkpoint, or starts from the initial weights when the swarm has no state yet. The round a swarm is at is the later
-of the units' progress records (published every 10 s) and their donor records (declared every round: a unit that
-joined while the progress records still said round 0 trained from the initial weights). A round claimed far ahead of
-the others' is not believed (members.py ``believed_rounds``).
+checkpoint, or starts from the initial weights when the swarm has no state yet. The round a swarm is at is the latest
+that its units claim, each by the later of its progress record (published every 10 s) and its donor record (declared
+every round: a unit that joined while the progress records still said round 0 trained from the initial weights). A
+round claimed far ahead of the others' is not believed (members.py ``believed_rounds``).
 """
 
 from __future__ import annotations
@@ -39,9 +39,14 @@ def own_checkpoint(path: Path, fingerprint: str) -> dict[str, Any] | None:
     return checkpoint
 
 
-def swarm_round(records: dict[str, PeerProgress], peer_id: str) -> int:
-    """The latest outer round the other units' records claim and are believed (-1: none)."""
-    claims = {peer: record.outer_round for peer, record in records.items() if peer != peer_id}
+def swarm_round(records: dict[str, PeerProgress], declared: dict[str, int], peer_id: str) -> int:
+    """The latest outer round the other units claim and are believed (-1: none). A unit's claim is the later of its
+    progress record and its donor record (``declared``, peer → round); a donor record counts only for a unit that
+    publishes progress: donor records alone are what a flood of identities that train and serve nothing multiplies
+    (red team ``donor-flood``: with them, a unit that started beside a red unit took its state at round 10^6)."""
+    claims = {
+        peer: max(record.outer_round, declared.get(peer, -1)) for peer, record in records.items() if peer != peer_id
+    }
     return max(believed_rounds(claims).values(), default=-1)
 
 

@@ -139,8 +139,8 @@ class LearningUnit:
         checkpoint = own_checkpoint(self.checkpoint_path, self.loaded.fingerprint)
         local_round = int(checkpoint["outer_round"]) if checkpoint is not None else -1
         self.data_position = data_position(checkpoint, self.data)
-        progress = swarm_round(self.network.records.read_progress(), self.network.peer_id)
-        claimed = max(progress, self.network.state_server.declared_round())
+        progress, declared = self.network.records.read_progress(), self.network.state_server.declared_rounds()
+        claimed = swarm_round(progress, declared, self.network.peer_id)
         source: events.JoinSource = "initial weights"
         if claimed > max(local_round, 0):
             network = self.config.network
