@@ -81,6 +81,34 @@ def test_an_averager_stuck_with_its_tensors_locked_is_restarted() -> None:
 
 
 @pytest.mark.swarm
+def test_a_client_follows_a_leader_whose_window_ends_after_its_own() -> None:
+    """A client (no inbound connections) leads no group: it must follow a leader, and hivemind's leader refuses a
+    request that expires before its own window ends. A client whose round began 0.6 windows before the leader's
+    (whose window thus ends later) merged nothing and the leader stayed alone, round after round while their
+    cadences stayed in phase (66 s in one relay test); now they average in a group of two."""
+    window_s = 2.0
+    leader_dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    client_dht = hivemind.DHT(start=True, client_mode=True, initial_peers=leader_dht.get_visible_maddrs())
+    leader = OuterAverager(leader_dht, "client", [torch.zeros(8)], quorum=1, target_group_size=2,
+                           allreduce_timeout_s=5)  # fmt: skip
+    client = OuterAverager(client_dht, "client", [torch.zeros(8)], quorum=2, target_group_size=2,
+                           allreduce_timeout_s=5)  # fmt: skip
+    try:
+        assert client.begin_round([torch.zeros(8)], weight=1.0, outer_round=0, window_s=window_s)
+        time.sleep(0.6 * window_s)
+        assert leader.begin_round([torch.ones(8)], weight=1.0, outer_round=0, window_s=window_s)
+        outcomes = [averager.finish_round(timeout_s=3 * window_s + 10) for averager in (client, leader)]
+        for outcome in outcomes:
+            assert outcome is not None and outcome.group_size == 2, outcome
+            assert torch.allclose(outcome.averaged[0], torch.full((8,), 0.5))
+    finally:
+        for averager in (client, leader):
+            averager.shutdown()
+        stop_dht(client_dht)
+        stop_dht(leader_dht)
+
+
+@pytest.mark.swarm
 def test_a_member_far_out_of_bounds_is_left_out() -> None:
     """Three averagers on real DHT nodes, one sending 1000 × its proposal: whatever group a round forms (the reducers
     may also refuse the sender after its offences), an honest member ends with the honest members' mean (the far

@@ -18,6 +18,9 @@ when the window ends (at once if ``target_group_size`` members joined). Quorum K
 * K ≥ 2: a round with fewer than K members fails; the caller keeps its global parameters unchanged and
   the progress stays in the next pseudo-gradient (nothing is lost).
 
+A client (a unit no other can connect to, ``--no-use-relays``) leads no group: its round recruits for CLIENT_REACH
+windows, to follow any leader whose window overlaps its own.
+
 Each member reduces a slice of the group's tensors for everyone with a bounded mean (robust.py): one member's
 part, weight or non-finite values cannot move an average of three or more members far, and are logged with its peer
 id; members that keep offending, and non-members of a private run (membership.py), are refused.
@@ -55,6 +58,10 @@ logger = logging.getLogger(__name__)
 TENSOR_LOCK_WAIT_S = 0.05  # longest an inner step waits for the averaged tensors
 LOCK_WARNING_EVERY_S = 30.0
 STUCK_MARGIN_S = 5.0  # the tensors' lock busy this long past the all-reduce timeout: the averager is restarted
+CLIENT_REACH = 2
+"""A client's round reaches this many windows: it leads no group, and hivemind's leader refuses a request that expires
+before its own window ends, so a client whose window began before a leader's (in phase, round after round) merged
+nothing while the leader stayed alone; with two windows it follows any leader whose window overlaps its own."""
 
 
 @dataclass
@@ -155,11 +162,12 @@ class OuterAverager:
         now = get_dht_time()
         gather = dict(outer_round=int(outer_round), weight=float(weight), probe=list(probe), tag=str(tag),
                       period=float(period_s))  # fmt: skip
+        reach_s = window_s * (CLIENT_REACH if self._averager.client_mode else 1)
         control = self._averager.step(
             weight=float(weight),
             gather=gather,
-            scheduled_time=now + window_s,
-            timeout=window_s + 1.0,
+            scheduled_time=now + reach_s,
+            timeout=reach_s + 1.0,
             allow_retries=True,
             wait=False,
         )
