@@ -1,6 +1,5 @@
-"""Tests never reach a model or dataset hub: everything loads from the files shipped with the project; every test
-leaves no process behind; and the swarm tests run one after another on one worker (their timings assume the machine's
-cores are theirs but for one fast test at a time)."""
+"""Tests never reach a model or dataset hub: everything loads from the files shipped with the project; and every test
+leaves no process behind."""
 
 import os
 import time
@@ -53,22 +52,3 @@ def leaves_no_process_behind() -> Iterator[None]:
                 continue
         pytest.fail("processes outlived the test:\n" + "\n".join(described), pytrace=False)
 
-
-SWARM_GROUP = "swarm"
-
-
-@pytest.hookimpl(wrapper=True)
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> Iterator[None]:
-    """Every swarm test goes to one xdist group: with ``--dist=loadgroup`` (pyproject.toml) one worker runs them in
-    turn while the other runs the fast tier. Raises UsageError when xdist did not group them (its grouping rewrites
-    node ids, which pytest 9.2 ignores: pytest-xdist issue 1386), rather than letting them run side by side (xdist's
-    controller then reports an INTERNALERROR about the worker's first test)."""
-    for item in items:
-        if item.get_closest_marker("swarm") is not None:
-            item.add_marker(pytest.mark.xdist_group(SWARM_GROUP))
-    yield
-    if config.getoption("loadgroup", default=False):
-        swarm = [item.nodeid for item in items if item.get_closest_marker("swarm") is not None]
-        ungrouped = [nodeid for nodeid in swarm if not nodeid.endswith("@" + SWARM_GROUP)]
-        if ungrouped:
-            raise pytest.UsageError(f"xdist did not put {ungrouped[0]} in the {SWARM_GROUP} group (pytest < 9.2 does)")
