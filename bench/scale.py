@@ -18,7 +18,6 @@ rest of its tree.
 
 from __future__ import annotations
 
-import itertools
 import math
 import re
 import shutil
@@ -35,6 +34,7 @@ import torch
 from bench.process_memory import sample_tree
 from bench.swarm import Swarm
 from p2p_diloco.checkpoint import load_checkpoint
+from p2p_diloco.consensus import lineage_sizes, pairwise_distances
 from p2p_diloco.unit.events import (
     ConsensusRound,
     Eval,
@@ -52,7 +52,6 @@ VARIANTS: dict[str, tuple[str, ...]] = {
     "settle": ("--schedule", "steps"),  # today's schedule with the default settle rounds at exit
     "clock": ("--schedule", "clock"),  # the shared clock, with the default settle rounds
 }
-CLUSTER_DISTANCE = 1e-3
 JOIN_TIMEOUT_S = 300.0
 STOP_GRACE_S = 180.0
 TIMELINE_STEP_S = 1.0
@@ -134,35 +133,6 @@ def cpu_split(start: dict[int, tuple[float, bool]], end: dict[int, tuple[float, 
 
 
 # ---------------------------------------------------------------------------------------------------- measuring
-def pairwise(vectors: Sequence[torch.Tensor]) -> list[float]:
-    """‖a − b‖ / max(‖a‖, ‖b‖) for every pair, in the order of ``itertools.combinations(vectors, 2)``."""
-    if len(vectors) < 2:
-        return []
-    stacked = torch.stack(list(vectors)).double()
-    norms = stacked.norm(dim=1)
-    rows, cols = torch.triu_indices(len(vectors), len(vectors), offset=1)
-    # the direct difference, not the matrix-product form, which loses distances below ~1e-8 of the norms
-    exact = torch.cdist(stacked, stacked, compute_mode="donot_use_mm_for_euclid_dist")
-    distances = exact[rows, cols] / torch.maximum(norms[rows], norms[cols]).clamp_min(1e-30)
-    return distances.tolist()
-
-
-def clusters(count: int, distances: Sequence[float], threshold: float = CLUSTER_DISTANCE) -> list[int]:
-    """Sizes of the groups of ``count`` units linked by pairwise ``distances`` (as :func:`pairwise` returns them)
-    within ``threshold``, largest first."""
-    parent = list(range(count))
-
-    def root(index: int) -> int:
-        while parent[index] != index:
-            index = parent[index]
-        return index
-
-    for (i, j), distance in zip(itertools.combinations(range(count), 2), distances):
-        if distance <= threshold:
-            parent[root(i)] = root(j)
-    return sorted(Counter(root(index) for index in range(count)).values(), reverse=True)
-
-
 def percentile(values: Sequence[float], q: float) -> float | None:
     if not values:
         return None
@@ -178,9 +148,9 @@ def timeline(probes: dict[str, list[ModelProbe]], start: float, end: float) -> l
     while t <= end:
         latest = [next((p for p in reversed(unit) if p.time <= t), None) for unit in probes.values()]
         vectors = [torch.tensor(p.values, dtype=torch.float64) for p in latest if p is not None]
-        distances = pairwise(vectors)
+        distances = pairwise_distances(vectors)
         points.append({"t": t - start, "max": max(distances, default=0.0), "distances": distances,
-                       "clusters": clusters(len(vectors), distances)})  # fmt: skip
+                       "clusters": lineage_sizes(len(vectors), distances)})  # fmt: skip
         t += TIMELINE_STEP_S
     return points
 
@@ -208,7 +178,7 @@ def measure_run(run_dir: Path, raw: dict[str, Any]) -> dict[str, Any]:
     during = [d for point in points if point["t"] + start >= settled for d in point["distances"]]
     finals = [_final_phi(run_dir / name) for name in names]
     final_vectors = [vector for vector in finals if vector is not None]
-    final_distances = pairwise(final_vectors)
+    final_distances = pairwise_distances(final_vectors)
     finals_evals = [e.eval_loss for name in names for e in read_events(logs[name], Eval)[-1:] if e.reason == "final"]
     evals: list[float] = [loss for loss in finals_evals if loss is not None]
     stops = {name: read_events(logs[name], Stop) for name in names}
@@ -230,7 +200,7 @@ def measure_run(run_dir: Path, raw: dict[str, Any]) -> dict[str, Any]:
                          "share_above_1e-3": sum(d > 1e-3 for d in drifts) / len(drifts) if drifts else None},
         "distance_during": {"p50": percentile(during, 0.5), "p90": percentile(during, 0.9), "from_s": settled - start},
         "one_model_share": sum(len(p["clusters"]) == 1 for p in points) / len(points) if points else None,
-        "final_clusters": clusters(len(final_vectors), final_distances),
+        "final_clusters": lineage_sizes(len(final_vectors), final_distances),
         "final_max_distance": max(final_distances, default=0.0),
         "final_eval": {"mean": statistics.fmean(evals) if evals else None,
                        "spread": max(evals) - min(evals) if evals else None,

@@ -16,8 +16,9 @@ from pathlib import Path
 from typing import Any
 
 from bench.red_team import admitted_flags, red_team_cli
-from bench.scale import _final_phi, pairwise
+from bench.scale import _final_phi
 from bench.swarm import Swarm
+from p2p_diloco.consensus import pairwise_distances
 from p2p_diloco.network.dht import ensure_identity
 from p2p_diloco.ops.launcher import CLI
 from p2p_diloco.unit.events import ConsensusRound, Eval, InnerStep, OuterRound, OuterRoundFailed, Stop, read_events
@@ -96,7 +97,7 @@ def measure(spec: SecuritySpec, root: Path, honest: list[str], exits: dict[str, 
         "final_eval": finals,
         "final_eval_mean": statistics.fmean(losses) if losses else None,
         "final_eval_spread": max(losses) - min(losses) if losses else None,
-        "final_max_distance": max(pairwise(vectors), default=0.0) if len(vectors) > 1 else None,
+        "final_max_distance": max(pairwise_distances(vectors), default=0.0) if len(vectors) > 1 else None,
         "rounds": len(rounds),
         "mean_group": statistics.fmean(event.group_size for event in merged) if merged else None,
         "rounds_failed": len(failed),

@@ -37,8 +37,9 @@ from typing import Any
 
 import torch
 
-from bench.scale import pairwise, percentile
+from bench.scale import percentile
 from p2p_diloco.config import OuterSection
+from p2p_diloco.consensus import pairwise_distances
 from p2p_diloco.diloco import probe_drift, weighted_average
 from p2p_diloco.rounds.averager import RoundOutcome, check_round_request
 from p2p_diloco.rounds.engine import RoundEngine
@@ -249,11 +250,11 @@ class Simulation:
                 unit.engine.swarm_size = len(self.units)  # what a real unit reads from the progress records
                 self._tick(unit, now, sizes, drifts, third_round)
             if now >= next_sample:
-                samples.append((now, pairwise(self._sampled_phis())))
+                samples.append((now, pairwise_distances(self._sampled_phis())))
                 next_sample += 1.0
         settled = statistics.median(third_round) if third_round else 0.0
         during = [d for t, distances in samples if t >= settled for d in distances]
-        final = pairwise(self._sampled_phis())
+        final = pairwise_distances(self._sampled_phis())
         sent = [unit.averager.sent_bytes for unit in self.units]
         return {
             "spec": spec.__dict__,

@@ -23,7 +23,8 @@ def test_snapshot_totals_count_live_peers_only() -> None:
         ("a", "live"), ("b", "live"), ("c", "stale"), ("d", "left")
     ]  # fmt: skip
     assert snapshot["swarm"] == {"live_peers": 2, "peers": 4, "tokens_per_s": 150.0, "goodput": 0.5,
-                                 "eval_loss": 4.0, "max_outer_round": 3, "mean_group_size": 2.0}  # fmt: skip
+                                 "eval_loss": 4.0, "max_outer_round": 3, "mean_group_size": 2.0,
+                                 "consensus_distance": None, "lineages": None}  # no probe: none to compare  # fmt: skip
 
 
 def test_a_peer_claiming_a_round_far_ahead_is_shown_refused_and_not_counted() -> None:

@@ -199,7 +199,8 @@ def test_format_table_shows_each_peers_goodput_and_the_swarm_goodput_of_live_pee
     assert [line.split()[-1] for line in lines[1:6]] == ["93.1%", "50.0%", "n/a", "0.0%", "0.0%"]
     assert "(stale)" in lines[4] and "(left)" in lines[5]
     assert lines[6] == "swarm goodput: 71.5% over 3 live peers (useful compute / allocated peer-time)"
-    only_stale = format_table(rows[3:], now, stale_after_s=60).splitlines()[-1]
+    assert lines[7] == "swarm consensus: n/a (no live peer reports a model probe)"
+    only_stale = format_table(rows[3:], now, stale_after_s=60).splitlines()[-2]
     assert only_stale == "swarm goodput: n/a over 0 live peers (useful compute / allocated peer-time)"
 
 

@@ -5,16 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.scale import clusters, pairwise, percentile, timeline
+from bench.scale import percentile, timeline
 from bench.simulate import Matchmaker, SimAverager, SimSpec, Simulation
 from p2p_diloco.unit.events import ModelProbe
 
 
-def test_distances_and_clusters_at_the_threshold() -> None:
-    a, b, c = torch.tensor([1.0, 0.0]), torch.tensor([1.0, 5e-4]), torch.tensor([0.0, 1.0])
-    assert pairwise([a, b, c]) == pytest.approx([5e-4, 2**0.5, (1 + (1 - 5e-4) ** 2) ** 0.5], rel=1e-4)
-    assert clusters(3, pairwise([a, b, c])) == [2, 1] and clusters(2, pairwise([a, b])) == [2]
-    assert clusters(2, pairwise([a, c])) == [1, 1]
+def test_percentiles() -> None:
     assert percentile([3.0, 1.0, 2.0], 0.5) == 2.0 and percentile([], 0.9) is None
 
 

@@ -23,6 +23,7 @@ from hivemind.dht.schema import BytesWithPublicKey, RSASignatureValidator, Schem
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 
+from p2p_diloco.consensus import RECORD_PROBE_SIZE
 from p2p_diloco.network.membership import RunAccess, RunRecordValidator
 from p2p_diloco.rounds.departure import Phase
 
@@ -39,6 +40,7 @@ if TYPE_CHECKING:  # pydantic.v1's constrained types are calls, which a type che
     _STATE_KEY = str
     _DIGEST = str
     _ROUNDS = list[int]
+    _PROBE = list[float]
 else:
     _SHORT_TEXT = pydantic.constr(strict=True, min_length=1, max_length=128)
     _COUNT = pydantic.conint(strict=True, ge=0)
@@ -47,11 +49,12 @@ else:
     _STATE_KEY = pydantic.constr(strict=True, min_length=1, max_length=512)
     _DIGEST = pydantic.constr(strict=True, regex=r"^[0-9a-f]{64}$")
     _ROUNDS = pydantic.conlist(_COUNT, min_items=1, max_items=4096)
+    _PROBE = pydantic.conlist(pydantic.confloat(strict=True, allow_inf_nan=False), max_items=RECORD_PROBE_SIZE)
 _FLOAT_FIELDS = ("tokens_per_s", "loss", "last_seen", "useful_compute_s", "allocated_s", "eval_loss")
 
 
 class PeerProgress(pydantic.BaseModel):
-    """What one learning unit reports about itself (a few hundred bytes once serialized).
+    """What one learning unit reports about itself (under 1 KB once serialized).
 
     Floats must be finite (``loss`` too: NaN never equals itself, so the DHT's schema check would drop it);
     integers given for float fields are converted.
@@ -69,6 +72,7 @@ class PeerProgress(pydantic.BaseModel):
     allocated_s: _NON_NEGATIVE = 0.0  # goodput denominator; 0.0 from older peers
     phase: Phase = "training"  # "finishing": in its final and settle rounds; "left": its last record
     eval_loss: _NON_NEGATIVE | None = None  # held-out loss of its φ at its last eval; None: none yet, or an older peer
+    probe: _PROBE = []  # its φ at RECORD_PROBE_SIZE probe coordinates (consensus.py); []: an older peer
     admission: _ADMISSION_TEXT = ""  # a private run's admission of ``peer_id`` (membership.py); "" in an open run
 
     class Config:

@@ -30,7 +30,8 @@ logger = logging.getLogger(__name__)
 
 class SwarmHistory:
     """What the dashboard has read: the latest snapshot and, per read, each live peer's eval loss and group size and
-    the swarm's totals. Thread-safe: one reader thread adds, the web server's handlers read."""
+    the swarm's totals and consensus (models held, consensus distance). Thread-safe: one reader thread adds, the web
+    server's handlers read."""
 
     def __init__(self, run_id: str, max_points: int = HISTORY_POINTS):
         self.run_id = run_id
@@ -48,6 +49,8 @@ class SwarmHistory:
             "group_size": {peer["peer_id"]: peer["group_size"] for peer in live},
             "swarm_eval_loss": snapshot["swarm"]["eval_loss"],
             "live_peers": snapshot["swarm"]["live_peers"],
+            "lineages": snapshot["swarm"]["lineages"],
+            "consensus_distance": snapshot["swarm"]["consensus_distance"],
         }
         with self._lock:
             self._latest = snapshot
@@ -63,6 +66,8 @@ class SwarmHistory:
             "time": [point["time"] for point in points],
             "swarm_eval_loss": [point["swarm_eval_loss"] for point in points],
             "live_peers": [point["live_peers"] for point in points],
+            "lineages": [point["lineages"] for point in points],
+            "consensus_distance": [point["consensus_distance"] for point in points],
             "eval_loss": {peer: [point["eval_loss"].get(peer) for point in points] for peer in peers},
             "group_size": {peer: [point["group_size"].get(peer) for point in points] for peer in peers},
         }

@@ -12,6 +12,7 @@ import threading
 from typing import Literal, TextIO
 
 from p2p_diloco.config import ConfigError, NetworkSection
+from p2p_diloco.consensus import SwarmConsensus, swarm_consensus
 from p2p_diloco.network.dht import shared_time, start_dht, stop_dht
 from p2p_diloco.network.members import believed_rounds
 from p2p_diloco.network.membership import load_run_access
@@ -69,13 +70,14 @@ def peer_states(rows: list[PeerProgress], now: float, stale_after_s: float = STA
 def swarm_snapshot(run_id: str, rows: list[PeerProgress], now: float, stale_after_s: float = STALE_AFTER_S) -> dict:
     """One JSON-ready object: every peer (its record, its state and age, sorted by peer id) and the swarm's totals
     over the live peers (summed tokens/s, goodput as summed useful compute / summed allocated peer-time, mean eval
-    loss of those that reported one)."""
+    loss of those that reported one, consensus distance and lineages of their model probes: consensus.py)."""
     states = peer_states(rows, now, stale_after_s)
     peers = [{**row.dict(exclude={"admission"}), "state": states[row.peer_id], "age_s": round(_age_s(row, now), 1)}
              for row in sorted(rows, key=lambda item: item.peer_id)]  # fmt: skip
     live = [row for row in rows if states[row.peer_id] == "live"]
     allocated = sum(row.allocated_s for row in live)
     evals = [row.eval_loss for row in live if row.eval_loss is not None]
+    consensus = swarm_consensus([row.probe for row in live])
     swarm = {
         "live_peers": len(live),
         "peers": len(rows),
@@ -84,6 +86,8 @@ def swarm_snapshot(run_id: str, rows: list[PeerProgress], now: float, stale_afte
         "eval_loss": sum(evals) / len(evals) if evals else None,
         "max_outer_round": max((row.outer_round for row in live), default=None),
         "mean_group_size": sum(row.group_size for row in live) / len(live) if live else None,
+        "consensus_distance": consensus.distance if consensus.units else None,
+        "lineages": consensus.lineages if consensus.units else None,
     }
     return {"run_id": run_id, "time": now, "peers": peers, "swarm": swarm}
 
@@ -131,7 +135,7 @@ def _render(run_id: str, rows: list[PeerProgress], stale_after_s: float, as_json
 
 def format_table(rows: list[PeerProgress], now: float, stale_after_s: float) -> str:
     """Aligned text table, one line per peer sorted by peer id, then the swarm's goodput over the live rows (neither
-    stale, left nor refused: their summed useful compute / summed allocated peer-time)."""
+    stale, left nor refused: their summed useful compute / summed allocated peer-time) and their consensus."""
     lines = [_HEADER]
     states = peer_states(rows, now, stale_after_s)
     for row in sorted(rows, key=lambda item: item.peer_id):
@@ -153,7 +157,16 @@ def format_table(rows: list[PeerProgress], now: float, stale_after_s: float) -> 
     table = "\n".join("  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip() for line in lines)
     live = [row for row in rows if states[row.peer_id] == "live"]
     swarm = _percent(sum(row.useful_compute_s for row in live), sum(row.allocated_s for row in live))
-    return f"{table}\nswarm goodput: {swarm} over {len(live)} live peers (useful compute / allocated peer-time)"
+    goodput = f"swarm goodput: {swarm} over {len(live)} live peers (useful compute / allocated peer-time)"
+    return f"{table}\n{goodput}\n{consensus_line(swarm_consensus([row.probe for row in live]))}"
+
+
+def consensus_line(consensus: SwarmConsensus) -> str:
+    """How many models the live peers hold and how far apart (consensus.py), for a person."""
+    if not consensus.units:
+        return "swarm consensus: n/a (no live peer reports a model probe)"
+    models = "one model" if consensus.lineages == 1 else f"{consensus.lineages} models"
+    return f"swarm consensus: {consensus.units} live peers hold {models} (consensus distance {consensus.distance:.2g})"
 
 
 def _age_s(row: PeerProgress, now: float) -> float:

@@ -135,6 +135,16 @@ class ModelProbe(Event):
     values: list[float]
 
 
+class SwarmConsensus(Event):
+    """After each read of the units' progress records (about every 10 s): how far apart the models of the training
+    units are, from the φ probes in their records (p2p_diloco/consensus.py); ``lineages`` 1 is one model."""
+
+    event = "swarm_consensus"
+    distance: float
+    lineages: int
+    units: int
+
+
 class ReplicaProbe(Event):
     """θ at the probe coordinates on one rank of a unit of several, written by every rank after rank 0 shared a new
     θ (in rank 0's ``metrics.jsonl`` and rank r's ``rank<r>.jsonl``): the ranks' values after the same inner step

@@ -22,6 +22,7 @@ from typing import IO, Any, Protocol
 
 from p2p_diloco import __version__
 from p2p_diloco.checkpoint import atomic_write
+from p2p_diloco.consensus import swarm_consensus
 from p2p_diloco.errors import first_line
 from p2p_diloco.rounds.results import RoundBegin, RoundEnd, RoundKind, RoundStatus
 from p2p_diloco.unit import events
@@ -45,6 +46,19 @@ class UnitCounters:
     useful_tokens: int = 0
     goodput: float | None = None
     wire: Mapping[str, int | None] = field(default_factory=dict)  # when the unit's round advanced: TCP counters
+
+
+class Probed(Protocol):
+    """A record with a φ probe (records.py ``PeerProgress``)."""
+
+    @property
+    def probe(self) -> list[float]: ...
+
+
+def consensus_event(records: Iterable[Probed]) -> events.SwarmConsensus:
+    """The consensus of the units whose progress records are ``records`` (consensus.py ``swarm_consensus``)."""
+    consensus = swarm_consensus([record.probe for record in records])
+    return events.SwarmConsensus(distance=consensus.distance, lineages=consensus.lineages, units=consensus.units)
 
 
 def round_event(result: RoundBegin | RoundEnd, unit: UnitCounters) -> events.Event | None:
@@ -164,6 +178,9 @@ def event_scalars(event: events.Event) -> dict[str, float]:
         values = {f"{event.kind}/group_size": event.group_size, f"{event.kind}/drift": event.member_drift}
     elif isinstance(event, events.StateDownload):
         values = {"join/download_seconds": event.seconds}
+    elif isinstance(event, events.SwarmConsensus) and event.units > 0:
+        values = {"swarm/consensus_distance": event.distance, "swarm/lineages": event.lineages,
+                  "swarm/units": event.units}  # fmt: skip
     return {name: float(value) for name, value in values.items() if value is not None and math.isfinite(value)}
 
 
@@ -178,10 +195,14 @@ class RoundLines:
     def __init__(self, fragments: int):
         self._fragments = fragments
         self._held: str | None = None
+        self._lineages: int | None = None
 
     def write(self, event: events.Event) -> None:
         if isinstance(event, events.ModelProbe):
             return  # written between a round and its eval
+        if isinstance(event, events.SwarmConsensus):
+            self._consensus_line(event)
+            return
         if isinstance(event, events.Eval) and event.reason == "outer_round" and self._held is not None:
             self._held += f", eval loss {_loss(event.eval_loss)}"
             self.close()
@@ -207,6 +228,14 @@ class RoundLines:
             f"{where}: merged in a group of {event.group_size}, {event.seconds:.1f} s, "
             f"drift {event.member_drift:.2g}, {event.overlap_steps} steps overlapped"
         )
+
+    def _consensus_line(self, event: events.SwarmConsensus) -> None:
+        """One line whenever the number of models the training units hold changes (not every census)."""
+        if event.lineages != self._lineages and event.units > 0:
+            models = "one model" if event.lineages == 1 else f"{event.lineages} models"
+            logger.info("swarm: %d training units hold %s (consensus distance %.2g)", event.units, models,
+                        event.distance)  # fmt: skip
+        self._lineages = event.lineages
 
     def _fragment(self, fragment: int) -> str:
         return f"(fragment {fragment + 1}/{self._fragments})"

@@ -31,6 +31,7 @@ import torch
 
 from p2p_diloco.checkpoint import save_checkpoint
 from p2p_diloco.config import PeerConfig, SwarmSections
+from p2p_diloco.consensus import record_probe
 from p2p_diloco.network.compression import roundtrip
 from p2p_diloco.network.dht import shared_time
 from p2p_diloco.network.records import PeerProgress, PendingProgress, ProgressRecords, in_phase
@@ -50,7 +51,7 @@ from p2p_diloco.unit.joining import data_position, download_state, own_checkpoin
 from p2p_diloco.unit.metrics import ProgressBars, Throughput
 from p2p_diloco.unit.model import LoadedModel, export_pretrained
 from p2p_diloco.unit.ranks import Ranks, ThetaLink, UnitStart, theta_probe
-from p2p_diloco.unit.tracking import UnitCounters, round_event
+from p2p_diloco.unit.tracking import UnitCounters, consensus_event, round_event
 
 logger = logging.getLogger(__name__)
 
@@ -203,6 +204,7 @@ class LearningUnit:
             self._census_read = None
             if live:  # an empty or failed read keeps the last census; the unit counts itself
                 self.engine.swarm_size = len(set(in_phase(live, "training", "finishing")) | {self.network.peer_id})
+                self.metrics.write(consensus_event(in_phase(live, "training").values()))
 
     def _write_replica_probe(self) -> None:
         """θ at the probe coordinates, which each replica writes after θ was shared (ranks.py)."""
@@ -329,7 +331,7 @@ class LearningUnit:
             loss=self.last_loss if math.isfinite(self.last_loss) else 0.0, last_seen=shared_time(),
             group_size=self.last_group_size, model_fingerprint=self.loaded.fingerprint,
             useful_compute_s=self.ledger.useful_compute_s, allocated_s=self.ledger.allocated_s(time.time()),
-            phase=phase, eval_loss=eval_loss,
+            phase=phase, eval_loss=eval_loss, probe=record_probe(self.state.probe()),
         )  # fmt: skip
         self.network.records.publish_progress(progress, ttl_s=PROGRESS_TTL_S, wait=wait)
 
