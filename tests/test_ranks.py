@@ -70,9 +70,14 @@ def test_units_of_two_ranks_average_and_a_killed_rank_restarts_its_unit(swarm: S
     swarm.wait_for(lambda: all(len(merged_with_other(swarm, n)) >= 3 for n in ("a", "b")), timeout_s=240,
                    what="3 rounds merged between the two units")  # fmt: skip
 
-    lead, follower = replica_probes(swarm, "a", 0), replica_probes(swarm, "a", 1)
-    shared = sorted(set(lead) & set(follower))
-    assert len(shared) >= 4, (sorted(lead), sorted(follower))  # the start and after each merge
+    def probes_of_both_ranks() -> tuple[dict[int, list[float]], dict[int, list[float]], list[int]] | None:
+        """θ probes of a's two ranks at the start and after each merge (written at the step after it)."""
+        lead, follower = replica_probes(swarm, "a", 0), replica_probes(swarm, "a", 1)
+        shared = sorted(set(lead) & set(follower))
+        return (lead, follower, shared) if len(shared) >= 4 else None
+
+    lead, follower, shared = swarm.wait_for(probes_of_both_ranks, timeout_s=60,
+                                            what="θ probes of both ranks of a, at the start and 3 merges")  # fmt: skip
     assert all(lead[step] == follower[step] for step in shared)
     for name in ("a", "b"):
         (join,) = swarm.events(name, Join)
