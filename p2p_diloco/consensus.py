@@ -35,6 +35,11 @@ class SwarmConsensus:
     lineages: int
     units: int
 
+    def described(self, who: str) -> str:
+        """For a person: ``<units> <who> hold <n> models (consensus distance <d>)``."""
+        models = "one model" if self.lineages == 1 else f"{self.lineages} models"
+        return f"{self.units} {who} hold {models} (consensus distance {self.distance:.2g})"
+
 
 def record_probe(probe: Sequence[float], size: int = RECORD_PROBE_SIZE) -> list[float]:
     """``size`` values of ``probe`` at evenly spaced positions (all of it when it is shorter), the same positions on

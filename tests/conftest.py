@@ -51,4 +51,3 @@ def leaves_no_process_behind() -> Iterator[None]:
             except psutil.NoSuchProcess:
                 continue
         pytest.fail("processes outlived the test:\n" + "\n".join(described), pytrace=False)
-

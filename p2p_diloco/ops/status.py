@@ -165,8 +165,7 @@ def consensus_line(consensus: SwarmConsensus) -> str:
     """How many models the live peers hold and how far apart (consensus.py), for a person."""
     if not consensus.units:
         return "swarm consensus: n/a (no live peer reports a model probe)"
-    models = "one model" if consensus.lineages == 1 else f"{consensus.lineages} models"
-    return f"swarm consensus: {consensus.units} live peers hold {models} (consensus distance {consensus.distance:.2g})"
+    return f"swarm consensus: {consensus.described('live peers')}"
 
 
 def _age_s(row: PeerProgress, now: float) -> float:

@@ -22,7 +22,7 @@ from typing import IO, Any, Protocol
 
 from p2p_diloco import __version__
 from p2p_diloco.checkpoint import atomic_write
-from p2p_diloco.consensus import swarm_consensus
+from p2p_diloco.consensus import SwarmConsensus, swarm_consensus
 from p2p_diloco.errors import first_line
 from p2p_diloco.rounds.results import RoundBegin, RoundEnd, RoundKind, RoundStatus
 from p2p_diloco.unit import events
@@ -232,9 +232,8 @@ class RoundLines:
     def _consensus_line(self, event: events.SwarmConsensus) -> None:
         """One line whenever the number of models the training units hold changes (not every census)."""
         if event.lineages != self._lineages and event.units > 0:
-            models = "one model" if event.lineages == 1 else f"{event.lineages} models"
-            logger.info("swarm: %d training units hold %s (consensus distance %.2g)", event.units, models,
-                        event.distance)  # fmt: skip
+            consensus = SwarmConsensus(event.distance, event.lineages, event.units)
+            logger.info("swarm: %s", consensus.described("training units"))
         self._lineages = event.lineages
 
     def _fragment(self, fragment: int) -> str:
