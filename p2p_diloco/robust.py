@@ -8,8 +8,9 @@ the parts of one slice so that one member's part has bounded influence, whatever
 2. weights are capped at ``weight_cap`` × the lower median weight of the kept parts (a claimed weight is
    unverifiable; honest units with the same hardware and batch state similar token counts);
 3. centred clipping: around the coordinate-wise median ``c`` of the kept parts (the mean of one or two), a part whose
-   deviation ``x − c`` is over ``drop`` × the radius (``clip`` × the lower median of the deviation norms) is dropped,
-   and every other deviation is scaled down to at most the radius;
+   deviation ``x − c`` is over ``drop`` × the radius (``clip`` × the lower median of the deviation norms, and at
+   least ``RADIUS_FLOOR`` × ‖c‖: parts that agree up to rounding are not far from each other) is dropped, and every
+   other deviation is scaled down to at most the radius;
 4. the result is ``c`` plus the capped-weight mean of the clipped deviations of the parts not dropped.
 
 With honest parts this is the weighted mean (up to the rare clipped or capped part). With two members nothing tells
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from p2p_diloco.trust import CLIP_FACTOR, DROP_FACTOR, WEIGHT_CAP
+from p2p_diloco.trust import CLIP_FACTOR, DROP_FACTOR, RADIUS_FLOOR, WEIGHT_CAP
 
 SORTING_NETWORK_ROWS = 8
 
@@ -66,7 +67,8 @@ def bounded_mean(
     center = coordinate_median(stacked) if len(kept) > 2 else stacked.mean(dim=0)
     deviations = stacked - center
     norms = deviations.flatten(1).norm(dim=1).double()
-    radius = clip * float(norms.median())
+    center_norm = float(center.double().norm())
+    radius = max(clip * float(norms.median()), RADIUS_FLOOR * center_norm)
     scale = torch.where(norms > radius, radius / norms.clamp_min(1e-30), torch.ones_like(norms))
     far_rows = norms > drop * radius
     scale = torch.where(far_rows, torch.zeros_like(scale), scale).float()
@@ -76,7 +78,6 @@ def bounded_mean(
     mixing = (capped_weights / capped_weights.sum()).float()
     shift = ((scale * mixing) @ deviations.flatten(1)).view_as(center)
     excess, relative = [0.0] * len(parts), [0.0] * len(parts)
-    center_norm = float(center.double().norm())
     for row, index in enumerate(kept):
         excess[index] = _ratio(float(norms[row]), radius)
         relative[index] = _ratio(float(norms[row]), center_norm)

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 # ---- inside the all-reduce: each unit reduces its slice with the bounded mean (robust.py)
 CLIP_FACTOR = 2.0  # the clipping radius, in lower-median deviations from the coordinate-wise median
 DROP_FACTOR = 2.0  # a part deviating more than this many radii is dropped
+RADIUS_FLOOR = 1e-6  # the clipping radius is at least this fraction of the median's norm
 WEIGHT_CAP = 2.0  # a claimed weight is capped at this many times the lower median weight
 # ---- judging members (network/reducer.py, network/gated.py)
 OFFENCE_RELATIVE = 10.0  # an offence: a part deviating, or an average returned, beyond this many times the reference
@@ -47,6 +48,15 @@ THRESHOLDS = (
         DROP_FACTOR,
         "a part far off (scaled, noise): dropped rather than clipped, 4 typical deviations from the median",
         "tests/test_robust.py; results/security (payload ×1000, noise)",
+    ),
+    Threshold(
+        "RADIUS_FLOOR",
+        RADIUS_FLOOR,
+        "none: it keeps honest members that agree from being judged. When most parts are equal (units on one model "
+        "averaging φ), the median deviation is 0 and a part off by fp32 rounding was dropped as infinitely far, "
+        "and its sender counted as an offender, then refused",
+        "results/scale clock-n8-g8 (grid layout): members refused at exit for parts 1.9e-9 of the median's norm "
+        "away, an all-reduce left hanging 30 s; tests/test_robust.py",
     ),
     Threshold(
         "WEIGHT_CAP",

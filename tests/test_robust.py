@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from p2p_diloco.robust import bounded_mean
-from p2p_diloco.trust import CLIP_FACTOR, DROP_FACTOR, WEIGHT_CAP
+from p2p_diloco.trust import CLIP_FACTOR, DROP_FACTOR, RADIUS_FLOOR, WEIGHT_CAP
 
 
 def reference(parts: list[list[float]], weights: list[float]) -> list[float]:
@@ -29,7 +29,7 @@ def reference(parts: list[list[float]], weights: list[float]) -> list[float]:
     center = [median(list(column)) if len(kept) > 2 else sum(column) / len(column) for column in columns]
     deviations = [[parts[i][k] - center[k] for k in range(len(center))] for i in kept]
     norms = [math.sqrt(sum(d * d for d in row)) for row in deviations]
-    radius = CLIP_FACTOR * lower_median(norms)
+    radius = max(CLIP_FACTOR * lower_median(norms), RADIUS_FLOOR * math.sqrt(sum(c * c for c in center)))
     scales = [min(1.0, radius / n) if n > 0 else 1.0 for n in norms]
     cap = WEIGHT_CAP * lower_median([weights[i] for i in kept])
     capped = [0.0 if n > DROP_FACTOR * radius else min(weights[i], cap) for i, n in zip(kept, norms)]
@@ -49,6 +49,16 @@ def test_the_bounded_mean_follows_the_reference(seed: int, members: int) -> None
     result = bounded_mean(parts, weights)
     expected = reference([p.tolist() for p in parts], weights)
     assert result.value.tolist() == pytest.approx(expected, rel=1e-5, abs=1e-5)
+
+
+def test_parts_that_agree_up_to_rounding_are_all_kept() -> None:
+    """Units on one model averaging φ: three parts equal, one off by fp32 rounding (the median deviation is 0). It is
+    not far (nor an offence): the radius is at least RADIUS_FLOOR of the median's norm."""
+    phi = torch.randn(1000, generator=torch.Generator().manual_seed(5))
+    parts = [phi.clone(), phi.clone(), phi.clone(), phi * (1 + 2e-9) + 1e-9]
+    result = bounded_mean(parts, [1.0] * 4)
+    assert not result.far and not result.clipped and max(result.excess) < 1.0
+    assert torch.allclose(result.value, phi, atol=1e-6)
 
 
 def test_honest_parts_of_similar_weight_get_their_weighted_mean() -> None:
