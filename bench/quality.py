@@ -75,10 +75,11 @@ class Budget:
 
     def config(self, work_dir: Path, **overrides: Any) -> PeerConfig:
         """The shared config of a unit working in ``work_dir``: no periodic eval or checkpoint (the bench evaluates),
-        no settle rounds (nobody leaves)."""
+        no settle rounds (nobody leaves), rounds counted in steps (lockstep units have no shared clock)."""
         return load_config(preset="tiny", **{
             "model__seed": self.seed, "run__work_dir": str(work_dir), "run__progress": False,
             "run__eval_every_rounds": 10**9, "run__checkpoint_every_rounds": 10**9, "outer__settle_rounds": 0,
+            "outer__schedule": "steps",
             **self.settings, **overrides,
         })  # fmt: skip
 
@@ -214,6 +215,7 @@ class LocalAverager:
         tag: str = "",
         period_s: float = 0.0,
         subgroup: str = "",
+        group_size: int = 0,
     ) -> bool:
         check_round_request(self._in_flight, self.shapes, proposal, weight)
         self._in_flight = True
@@ -374,7 +376,7 @@ def _evaluate(units: Sequence[LearningUnit]) -> EvalPoint:
     mean = [torch.stack(tensors).mean(dim=0) for tensors in zip(*phis)]
     judge = units[0]
     with judge.trainer.parameters_swapped(mean):
-        loss = judge.trainer.evaluate(judge.eval_batches)
+        loss = judge.trainer.evaluate(judge.evaluator.batches)
     agree = all(torch.equal(a, b) for phi in phis[1:] for a, b in zip(phis[0], phi))
     own = [loss] * len(units) if agree else [_own_loss(judge, phi) for phi in phis]
     return EvalPoint(sum(unit.tokens for unit in units), loss, tuple(own))
@@ -387,7 +389,7 @@ def _data(unit: LearningUnit) -> TextData:
 
 def _own_loss(judge: LearningUnit, phi: Sequence[torch.Tensor]) -> float:
     with judge.trainer.parameters_swapped(phi):
-        return judge.trainer.evaluate(judge.eval_batches)
+        return judge.trainer.evaluate(judge.evaluator.batches)
 
 
 def run_comparison(

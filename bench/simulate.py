@@ -45,7 +45,6 @@ from p2p_diloco.rounds.averager import RoundOutcome, check_round_request
 from p2p_diloco.rounds.engine import RoundEngine
 from p2p_diloco.rounds.plan import RoundPlan
 from p2p_diloco.rounds.results import RoundKind, RoundStatus
-from p2p_diloco.rounds.schedule import ClockSchedule
 
 DIMENSION = 256
 SAMPLED_UNITS = 64  # pairwise distances of larger swarms are measured on this many random units
@@ -88,6 +87,7 @@ class _Waiting:
     probe: list[float] = field(compare=False)
     period_s: float = field(compare=False)
     begun_at: float = field(compare=False, default=0.0)
+    group_size: int = field(compare=False, default=0)  # 0: the matchmaker's target
 
 
 class Matchmaker:
@@ -114,7 +114,7 @@ class Matchmaker:
             entries.sort()
             while entries and entries[0].scheduled_at <= now:
                 leader, found = entries[0], [entry for entry in entries[1:] if entry.begun_at + DISCOVERY_S <= now]
-                group = [leader, *found[: self.target_group - 1]]
+                group = [leader, *found[: (leader.group_size or self.target_group) - 1]]
                 entries[:] = [entry for entry in entries if entry not in group]
                 self._form(group)
         while self.finishing and self.finishing[0][0] <= now:
@@ -155,13 +155,13 @@ class SimAverager:
         self.sent_bytes = 0.0
 
     def begin_round(self, proposal: Sequence[torch.Tensor], weight: float, outer_round: int, window_s: float,
-                    probe: Sequence[float] = (), tag: str = "", period_s: float = 0.0,
-                    subgroup: str = "") -> bool:  # fmt: skip
+                    probe: Sequence[float] = (), tag: str = "", period_s: float = 0.0, subgroup: str = "",
+                    group_size: int = 0) -> bool:  # fmt: skip
         check_round_request(self.in_flight, self.shapes, proposal, weight)
         self.in_flight = True
         entry = _Waiting(self.matchmaker.now + window_s, next(self.matchmaker._order), self,
                          [tensor.clone() for tensor in proposal], float(weight), outer_round, list(probe), period_s,
-                         self.matchmaker.now)  # fmt: skip
+                         self.matchmaker.now, group_size)  # fmt: skip
         self.matchmaker.join(f"{self.key}.0b{subgroup}", entry)
         return True
 
@@ -204,15 +204,15 @@ class Simulation:
         self.start = torch.randn(DIMENSION, generator=self.generator)
         self.units: list[SimUnit] = []
         self.left_bytes = 0.0
+        self.joined = 0  # units created so far (each unit's peer id is its number)
         for _ in range(spec.units):
             self.units.append(self._new_unit(0.0, None))
 
     def _new_unit(self, now: float, donor: SimUnit | None) -> SimUnit:
         local = [(donor.engine.state.global_params[0] if donor else self.start).clone()]
         averager = SimAverager(self.matchmaker, "round", self.plan.round_templates(local)[0])
-        engine = RoundEngine(self.plan, [averager], local=local)
-        if isinstance(engine.schedule, ClockSchedule):
-            engine.schedule.clock.rng = random.Random(self.rng.random())
+        self.joined += 1
+        engine = RoundEngine(self.plan, [averager], local=local, peer_id=f"unit{self.joined}")
         if donor is not None:
             donor_state = donor.engine.state
             engine.state.load_state(donor_state.global_params, donor_state.momentum, donor_state.fragment_rounds())
@@ -246,8 +246,9 @@ class Simulation:
             now += TICK_S
             self.matchmaker.advance(now)
             self._churn(now)
+            census = {unit.engine.peer_id: unit.engine.schedule.desired_period_s for unit in self.units}  # the records
             for unit in self.units:
-                unit.engine.swarm_size = len(self.units)  # what a real unit reads from the progress records
+                unit.engine.census = census
                 self._tick(unit, now, sizes, drifts, third_round)
             if now >= next_sample:
                 samples.append((now, pairwise_distances(self._sampled_phis())))

@@ -134,9 +134,9 @@ class OuterSection(_Section):
         json_schema_extra=_aliases("max_grace_s"),
     )  # fmt: skip
     schedule: Schedule = Field(
-        "steps",
-        description="steps: H of the unit's own steps after its previous round; clock (experimental): rounds at "
-        "boundaries of shared time, every power-of-two seconds nearest H inner steps",
+        "clock",
+        description="clock: rounds at boundaries of shared time, every power-of-two seconds nearest H inner steps, in "
+        "groups every unit derives alike; steps: H of the unit's own steps after its previous round",
     )
     settle_rounds: int = Field(
         4, ge=0, le=16, description="rounds at exit that only average φ, so that units leaving together agree (more "

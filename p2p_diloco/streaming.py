@@ -122,10 +122,10 @@ class FragmentRounds:
     def _synced(self) -> bool:
         return self.payload_kind is Payload.PROPOSAL_WITH_MOMENTUM
 
-    def mix_payload(self, global_params: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor]) -> Tensors:
-        """A mix round's payload, shaped like a round's: φ_p (and m_p), with RDA then zeros in the other places."""
-        phi = copies(global_params, self.fragment)
-        payload = phi + (copies(momentum, self.fragment) if self._synced else [])
+    def mix_payload(self, phi: Tensors, moment: Tensors) -> Tensors:
+        """A mix round's payload, shaped like a round's: φ_p (and m_p, when synced; pieces of the fragment), with RDA
+        then zeros in the other places."""
+        payload = list(phi) + (list(moment) if self._synced else [])
         if self.radial is not None:
             payload += [torch.zeros_like(piece) for piece in phi] + [torch.zeros(len(phi))]
         return payload

@@ -41,6 +41,7 @@ class BegunRound:
     failing: bool = False  # the group's FaultPlan fails this round
     period_s: float = 0.0
     subgroup: str = ""
+    group_size: int = 0  # 0: the group's target
 
 
 @dataclass
@@ -145,6 +146,7 @@ class FakeAverager:
         tag: str = "",
         period_s: float = 0.0,
         subgroup: str = "",
+        group_size: int = 0,
     ) -> bool:
         check_round_request(self._in_flight, self.shapes, proposal, weight)
         call, self.calls = self.calls, self.calls + 1
@@ -153,7 +155,7 @@ class FakeAverager:
         failing = (self.unit, call) in self.group.faults.failures
         copied = clone_all(proposal)
         begun = BegunRound(copied, float(weight), int(outer_round), window_s, list(probe), time.time(), tag, failing,
-                           period_s, subgroup)  # fmt: skip
+                           period_s, subgroup, group_size)  # fmt: skip
         self.begun.append(begun)
         self._in_flight = True
         self.group._join(self, begun)
@@ -269,7 +271,8 @@ class TimedGroup(FakeGroup):
             near = self._scheduled.items()
             near_in_time = sorted((at, order, member) for order, (member, (at, begun)) in enumerate(near)
                                   if at - first <= self.tolerance_s and begun.subgroup == leader.subgroup)  # fmt: skip
-            together = {member: self._scheduled[member][1] for _, _, member in near_in_time[: self.target_size]}
+            size = leader.group_size or self.target_size
+            together = {member: self._scheduled[member][1] for _, _, member in near_in_time[:size]}
             for member in together:
                 del self._scheduled[member]
             self.rounds.append(together)

@@ -9,7 +9,7 @@ import torch
 from fakes import FakeGroup, TimedGroup
 
 from p2p_diloco.config import OuterSection
-from p2p_diloco.rounds.clock import RoundClock, next_boundary, power_of_two_period
+from p2p_diloco.rounds.clock import ADOPT_ROUNDS, RoundClock, next_boundary, power_of_two_period
 from p2p_diloco.rounds.departure import settle_window_s
 from p2p_diloco.rounds.engine import RoundEngine
 from p2p_diloco.rounds.kinds import Settle
@@ -44,14 +44,14 @@ def test_the_period_follows_the_step_time_with_hysteresis_and_always_fits_a_roun
     assert clock.update(0.05, busy_s=7.0) == 16.0, "a round busy for 7 s after its boundary needs a longer period"
 
 
-def test_a_round_is_due_within_the_lead_of_its_boundary_and_never_with_less_than_the_minimum_window() -> None:
+def test_a_round_is_due_within_the_lead_of_its_boundary_and_until_shortly_before_it() -> None:
     clock = clock_of()
-    clock.update(0.3)  # period 8 s, lead 2.3 s
-    assert clock.due_window(0, now=1000.0 - 3.0, step_time_s=0.3, after=-math.inf) is None  # 3 s before 1000
-    window = clock.due_window(0, now=1000.0 - 2.2, step_time_s=0.3, after=-math.inf)
-    assert window is not None and 2.2 <= window <= 2.2 + 0.2
-    assert clock.due_window(0, now=1000.0 - 1.0, step_time_s=0.3, after=-math.inf) is None, "too close: next one"
-    assert clock.due_window(0, now=1000.0 - 2.2, step_time_s=0.3, after=1000.0) is None, "that boundary's round ran"
+    clock.update(0.3)  # period 8 s, lead 2.6 s (two steps)
+    assert clock.due_boundary(0, now=1000.0 - 3.0, step_time_s=0.3, after=-math.inf) is None  # 3 s before 1000
+    assert clock.due_boundary(0, now=1000.0 - 2.5, step_time_s=0.3, after=-math.inf) == 1000.0
+    assert clock.due_boundary(0, now=1000.0 - 1.0, step_time_s=0.3, after=-math.inf) == 1000.0, "late, still in"
+    assert clock.due_boundary(0, now=1000.0 - 0.2, step_time_s=0.3, after=-math.inf) is None, "too close: next one"
+    assert clock.due_boundary(0, now=1000.0 - 2.2, step_time_s=0.3, after=1000.0) is None, "that boundary's round ran"
 
 
 def test_a_unit_follows_the_longest_period_its_group_wants_within_bounds() -> None:
@@ -60,9 +60,23 @@ def test_a_unit_follows_the_longest_period_its_group_wants_within_bounds() -> No
     clock.adopt([8.0, 0.0, 30.0])  # 30 s counts as 32 (a power of two); 0: a member without a clock
     assert clock.period_s == 32.0 and clock.desired_s == 8.0
     clock.adopt([8.0, 1e9])
-    assert clock.period_s == 64.0, "never more than 8 times its own period"
-    clock.adopt([4.0])
-    assert clock.period_s == 8.0, "a shorter period wanted by everyone brings it back to its own"
+    assert clock.period_s == 64.0, "never more than 8 times its own period: a stranger cannot stall it"
+    for rounds in range(1, ADOPT_ROUNDS + 1):
+        clock.adopt([4.0])
+        assert (clock.period_s == 8.0) == (rounds == ADOPT_ROUNDS), "back to its own after ADOPT_ROUNDS rounds"
+
+
+def test_a_unit_follows_the_longest_period_the_census_wants_within_bounds() -> None:
+    """The live units' progress records reach every unit (rows do not): the longest period they want is followed, a
+    stranger's huge claim no further than 8 times the unit's own; a census that no longer wants it lets it go."""
+    clock = clock_of()
+    clock.update(0.3)  # wants 8 s
+    clock.follow_census([8.0, 16.0, 0.0])
+    assert clock.period_s == 16.0
+    clock.follow_census([8.0, 1e9])
+    assert clock.period_s == 64.0, "a stranger claiming a huge period slows it by MAX_ADOPTED at most"
+    clock.follow_census([8.0])
+    assert clock.period_s == 8.0
 
 
 def test_fragments_are_staggered_over_the_period() -> None:
@@ -82,7 +96,10 @@ def engines(count: int, plan: RoundPlan, group: FakeGroup | TimedGroup) -> list[
         torch.manual_seed(unit)
         local = [torch.randn(shape) for shape in SHAPES]
         averagers = [group.averager(template, f"u{unit}") for template in plan.round_templates(local)]
-        result.append(RoundEngine(plan, averagers, local=local))
+        result.append(RoundEngine(plan, averagers, local=local, peer_id=f"u{unit}"))
+    census = dict.fromkeys((engine.peer_id for engine in result), 0.0)
+    for engine in result:
+        engine.census = census
     return result
 
 
@@ -182,14 +199,11 @@ def test_the_settle_grid_is_shared_whatever_the_period() -> None:
 
 
 def mixing_units(outer_momentum: float) -> tuple[TimedGroup, list[RoundEngine]]:
-    """Four units on the clock schedule in groups of at most two (more live units than the target: the mix stage
+    """Four units on the clock schedule in rows of at most two (more live units than the target: the mix stage
     runs)."""
-    group = TimedGroup(target_size=2)
+    group = TimedGroup(target_size=3)  # the matchmaking cap of a target of two
     plan = plan_of(inner_steps=10, min_window_s=0.5, target_group_size=2, outer_momentum=outer_momentum)
-    units = engines(4, plan, group)
-    for engine in units:
-        engine.swarm_size = 4
-    return group, units
+    return group, engines(4, plan, group)
 
 
 def tick(group: TimedGroup, units: list[RoundEngine], now: float) -> list[RoundEnd]:
@@ -206,9 +220,9 @@ def tick(group: TimedGroup, units: list[RoundEngine], now: float) -> list[RoundE
 
 @pytest.mark.parametrize("outer_momentum", [0.0, 0.9], ids=["plain average", "momentum synced"])
 def test_the_mix_stage_brings_groups_smaller_than_the_swarm_to_the_exact_weighted_mean(outer_momentum: float) -> None:
-    """Four units in groups of at most two: after a fragment round they hold two group means; half a period later the
-    mix round pairs the first members of both groups and the second members of both, weighted by their groups'
-    tokens, so all four hold the weighted mean of the four proposals (and of their momenta): synchronous DiLoCo's φ."""
+    """Four units in rows of two: after a fragment round they hold two row means; half a period later the mix round
+    pairs the first units of both rows and the second units of both, weighted by their rows' tokens, so all four hold
+    the weighted mean of the four proposals (and of their momenta): synchronous DiLoCo's φ."""
     group, units = mixing_units(outer_momentum)
     now, mixed = 10_000.0, []
     while len(mixed) < 4 and now < 10_030.0:

@@ -1,11 +1,13 @@
-"""One model from a swarm whose groups cannot hold everyone: 6 units with target group size 2 on 127.0.0.1 train,
-then leave together, one of them held up at exit (its main process stopped, once it announced that it finishes, for
-longer than the others' --settle-rounds take); their settle rounds at exit must make them leave as one
-model. (Freezing its whole process tree instead once timed torch's shared memory manager out: unit.py's settle
-averager start.)
+"""One model from a swarm whose groups cannot hold everyone: 6 units with target group size 2 on 127.0.0.1 train on
+the default (clock) schedule, one model at most moments while they train (rows of two, then columns of three, the
+rows' merges held until the columns': rounds/grid.py), then leave together, one of them held up at exit (its main
+process stopped, once it announced that it finishes, for longer than the others' --settle-rounds take); their settle
+rounds at exit must make them leave as one model. (Freezing its whole process tree instead once timed torch's shared
+memory manager out: unit.py's settle averager start.)
 
-Tolerance (DESIGN.md's consensus measure and the swarm benchmark's target): every pair of final checkpoints within a
-relative φ distance of 1e-3, and the units' final eval losses within 0.5% of their mean."""
+Tolerance (DESIGN.md's consensus measure and the swarm benchmark's target): every pair of φ probes within a relative
+distance of 1e-3 at ONE_MODEL_SHARE of the seconds after every unit's third round (each second, every unit's latest
+probe), every pair of final checkpoints within 1e-3, and the units' final eval losses within 0.5% of their mean."""
 
 from __future__ import annotations
 
@@ -21,12 +23,20 @@ import pytest
 import torch
 from swarms import close_leaving_nothing, quick_swarm
 
+from bench.scale import timeline
 from bench.swarm import Swarm
 from p2p_diloco.checkpoint import load_checkpoint
-from p2p_diloco.unit.events import ConsensusRound, Eval, Stop
+from p2p_diloco.unit.events import ConsensusRound, Eval, ModelProbe, Stop
 
 pytestmark = pytest.mark.swarm
 UNITS = 6
+ONE_MODEL_SHARE = 0.6
+"""Of the seconds after the warm-up (every unit's latest probe each second). Measured alone on this machine: 94% of
+33 s (one model but for two 1-s blips, where one column's mix round ended a second before the other's). With columns
+capped at two units (hivemind's group size fixed at the target) 0 to 10%; with columns of three but each row's merge
+applied at once, 45% (the rows held three means for half of each period); on the steps schedule the swarm
+benchmark's 6 units in groups of 2 held one model 4% of the time (results/scale/n6-g2). So 60% passes only with
+every period's rows and columns met, on a machine that runs another test beside this one."""
 HELD_UP_S = 25.0  # the held-up unit's stop at exit: longer than the others' 4 settle rounds (a 4 s grid) take
 
 
@@ -64,7 +74,12 @@ def test_units_in_groups_of_two_leave_as_one_model(swarm: Swarm) -> None:
     for name in names:
         swarm.unit(name, [maddr])
     swarm.wait_for(lambda: all(len(swarm.rounds(name)) >= 3 for name in names), 240, "three rounds on every unit")
+    warm = time.time()
+    swarm.wait_for(lambda: all(len(swarm.rounds(name, warm)) >= 4 for name in names), 240, "four more rounds each")
     assert max(r.group_size for name in names for r in swarm.rounds(name)) <= 2
+    points = timeline({name: swarm.events(name, ModelProbe) for name in names}, warm, time.time())
+    share = sum(point["max"] <= 1e-3 for point in points) / len(points)
+    assert share >= ONE_MODEL_SHARE, f"one model {share:.0%} of {len(points)} s: {[p['clusters'] for p in points]}"
     held_up = names[-1]
     with ThreadPoolExecutor(1) as stopping:
         codes = stopping.submit(swarm.stop, names, grace_s=180)

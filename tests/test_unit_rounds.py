@@ -39,6 +39,7 @@ from p2p_diloco.network.state_sync import SwarmState
 from p2p_diloco.rounds.departure import Phase, settle_patience
 from p2p_diloco.unit.events import (
     ConsensusRound,
+    Eval,
     LocalReset,
     OuterRound,
     OuterRoundBegin,
@@ -267,10 +268,34 @@ def test_an_eval_is_left_out_of_the_step_period(make_peer: PeerFactory, monkeypa
         return evaluate(batches)
 
     monkeypatch.setattr(a.unit.trainer, "evaluate", slow_evaluate)
-    a.unit._evaluate("outer_round")
+    a.unit._evaluate("join")  # at once
+    a.unit._evaluate("outer_round")  # spread: its one batch after the next step
+    a.unit.stepped(a.unit.train_step(a.batches))
     inner_step(a)
+    assert skipped[0] == 2000.0 and len(a.events(Eval)) == 2
     step_time_s = a.unit.throughput.step_time_s
     assert step_time_s is not None and step_time_s < 10.0
+
+
+def test_an_eval_after_a_round_is_spread_over_the_next_steps_and_scores_phi_as_it_was(make_peer: PeerFactory) -> None:
+    """One held-out batch after each inner step; the loss is that of φ when the eval began, even when φ moved
+    meanwhile (a merge), and equals an eval of it at once."""
+    a = make_peer("a", FakeGroup(), data__eval_batches=3, outer__inner_steps=100)
+    inner_step(a)
+    phi = clone_all(a.unit.state.global_params)
+    with a.unit.trainer.parameters_swapped(phi):
+        expected = a.unit.trainer.evaluate(a.unit.evaluator.batches)
+    a.unit._evaluate("outer_round")
+    for tensor in a.unit.state.global_params:
+        tensor.add_(0.5)  # φ moves (a merge) while the eval runs
+    for _ in range(2):
+        a.unit.stepped(a.unit.train_step(a.batches))
+    assert not a.events(Eval), "three batches take three steps"
+    a.unit.stepped(a.unit.train_step(a.batches))
+    (event,) = a.events(Eval)
+    assert event.reason == "outer_round" and event.outer_round == 0
+    assert event.eval_loss == pytest.approx(expected, rel=1e-6)
+    assert a.unit.evaluator.last_loss == event.eval_loss
 
 
 # -------------------------------------------------------------------------------------------------- join
@@ -445,7 +470,7 @@ def test_a_lone_settle_round_is_retried_only_while_another_unit_finishes(
     for name, phase in others.items():
         a.records.publish_progress(progress(name, 0, a.unit.loaded.fingerprint).copy(update={"phase": phase}))
     if not others:
-        a.unit.engine.swarm_size = 3  # the census of live units while training: ignored (its own record is read)
+        a.unit.engine.census = {"b": 0.0, "c": 0.0}  # the census of live units while training: ignored
     train_until_round(a)
     patience = settle_patience(a.unit.engine, a.unit.throughput.step_time_s)
     settle_rounds = 4 + patience if waits else 1
@@ -505,7 +530,7 @@ def test_a_census_read_without_its_own_record_falls_back_to_the_live_units(make_
     incomplete = FakeRecords()
     incomplete.read_progress = dict  # type: ignore[method-assign]  # every read comes back empty
     a = make_peer("a", FakeGroup(), records=incomplete, settle_group=settle, outer__settle_rounds=3)
-    a.unit.engine.swarm_size = 3
+    a.unit.engine.census = {"a": 0.0, "b": 0.0, "c": 0.0}
     train_until_round(a)
     a.unit.finish()
     assert len(settle.members[0].begun) == 3 + settle_patience(a.unit.engine, a.unit.throughput.step_time_s)

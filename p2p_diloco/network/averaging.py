@@ -119,7 +119,8 @@ class OuterAverager:
             # server (state_sync.py) is the one that serves a unit's state
             allow_state_sharing=False,
         )
-        self._averager = self._new_averager()
+        self._target_size = self._group_size = max(target_group_size, 2)  # the default and the current group cap
+        self._averager = self._start_averager()
         self._pending: _PendingRound | None = None
         self._last_lock_warning = -math.inf
         self._lock_busy_since: float | None = None
@@ -135,6 +136,7 @@ class OuterAverager:
         tag: str = "",
         period_s: float = 0.0,
         subgroup: str = "",
+        group_size: int = 0,
     ) -> bool:
         """Start averaging ``proposal`` (weighted by ``weight`` > 0) in the background; returns at once.
 
@@ -142,13 +144,15 @@ class OuterAverager:
         members' global parameters were; ``tag`` too, so that members can check they averaged the same thing;
         ``period_s`` too (the clock schedule's agreement on a period). ``subgroup`` (bits) selects hivemind's group
         key ``prefix.0b<subgroup>``: only units of the same subgroup meet. hivemind rewrites non-empty group bits
-        after every group it assembles, so they are set again before every round.
+        after every group it assembles, so they are set again before every round. ``group_size`` (0: the target
+        size given at construction) caps the group (GatedAverager ``set_group_size``).
 
         Returns False, having started nothing, when the averager process holds its tensors (see
         :meth:`_tensors_free`): the caller tries again later instead of blocking its inner loop. Raises RuntimeError
         if a round is already in flight and ValueError for a proposal of another shape.
         """
         check_round_request(self._pending is not None, self._shapes, proposal, weight)
+        now = get_dht_time()  # the window counts from the call: copying the proposal must not shift the schedule
         if not self._tensors_free():
             if not self._stuck():
                 return False
@@ -159,7 +163,11 @@ class OuterAverager:
         if subgroup or self._subgroup_dirty:
             self._averager.set_group_bits(subgroup)
             self._subgroup_dirty = bool(subgroup)
-        now = get_dht_time()
+        # a group that reaches its size starts at once, before hivemind checks min_group_size: never below the quorum
+        size = max(group_size, self.quorum, 2) if group_size else self._target_size
+        if size != self._group_size:
+            self._averager.set_group_size(size)
+            self._group_size = size
         gather = dict(outer_round=int(outer_round), weight=float(weight), probe=list(probe), tag=str(tag),
                       period=float(period_s))  # fmt: skip
         reach_s = window_s * (CLIENT_REACH if self._averager.client_mode else 1)
@@ -173,6 +181,13 @@ class OuterAverager:
         )
         self._pending = _PendingRound(control, float(weight), int(outer_round), str(tag), time.time(), len(probe))
         return True
+
+    def _start_averager(self) -> GatedAverager:
+        """A new hivemind averager (the same prefix, settings and shared buffers), at the default group size."""
+        averager = self._new_averager()
+        averager.set_group_size(self._target_size)
+        self._group_size = self._target_size
+        return averager
 
     def _tensors_free(self) -> bool:
         """Whether the averaged tensors' lock can be taken within TENSOR_LOCK_WAIT_S (it is released at once).
@@ -203,7 +218,7 @@ class OuterAverager:
         """Replace a stuck hivemind averager with a new one (same prefix and settings; about a second)."""
         logger.warning("the averager kept its tensors locked for over %.0f s: restarting it", self._stuck_after_s)
         self._averager.shutdown()
-        self._averager = self._new_averager()
+        self._averager = self._start_averager()
         self._lock_busy_since = None
         self._subgroup_dirty = False
 

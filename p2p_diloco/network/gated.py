@@ -20,7 +20,7 @@ from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
-from hivemind.utils import get_dht_time
+from hivemind.utils import MPFuture, get_dht_time
 from hivemind.utils.asyncio import as_aiter, azip
 
 from p2p_diloco.network.membership import MemberGate
@@ -30,6 +30,7 @@ from p2p_diloco.trust import MAX_OFFENCES, OFFENCE_WINDOW
 logger = logging.getLogger(__name__)
 
 REFUSAL_LOG_EVERY_S = 60.0
+KEY_BUCKETS = 1 << 12  # more than any group (their bits are set anew before every round: averaging.py)
 
 
 class GatedAverager(hivemind.DecentralizedAverager):
@@ -49,6 +50,10 @@ class GatedAverager(hivemind.DecentralizedAverager):
     OFFENCE_WINDOW rounds with this averager (each averager counts its own; a refusal holds for all of the unit's
     averagers: membership.py ``SharedPeerSet``; so does a suspicion after one offence, for the settle rounds). A group
     of two whose other member offended in its last OFFENCE_WINDOW rounds is left the same way: a pair cannot bound it.
+
+    hivemind fixes a group's size at construction; :meth:`set_group_size` changes it between rounds (the clock
+    schedule's rows and columns have sizes of their own: rounds/grid.py), through the same pipe to the averager
+    process as hivemind's own ``set_group_bits``; call it once after the start.
     """
 
     _rpc_handlers = None  # hivemind caches RPC handlers per class: a subclass must collect its own
@@ -59,6 +64,21 @@ class GatedAverager(hivemind.DecentralizedAverager):
         self._refusals_logged: dict[tuple[str, str], float] = {}
         self._offences: dict[str, deque[bool]] = {}
         super().__init__(*args, **kwargs)
+
+    def set_group_size(self, size: int) -> None:
+        """The next rounds' groups recruit at most ``size`` members and start at once with that many; returns once the
+        averager process took it."""
+        future: MPFuture = MPFuture()
+        self._outer_pipe.send(("_set_group_size", [], dict(size=size, future=future)))
+        future.result()
+
+    async def _set_group_size(self, size: int, future: MPFuture) -> None:
+        matchmaking = self._matchmaking
+        matchmaking.target_group_size = matchmaking.potential_leaders.target_group_size = size
+        # after a group, the key manager draws each member's next bits from this many buckets, one per member at
+        # least (else it raises, and the round fails): a leader may assemble more units than this one expected
+        matchmaking.group_key_manager.target_group_size = KEY_BUCKETS
+        future.set_result(None)
 
     async def _refuses(self, peer_id: PeerID, what: str) -> bool:
         """Whether to refuse ``peer_id``; a refusal is logged once per REFUSAL_LOG_EVERY_S for each peer and kind."""

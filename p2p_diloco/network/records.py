@@ -50,7 +50,7 @@ else:
     _DIGEST = pydantic.constr(strict=True, regex=r"^[0-9a-f]{64}$")
     _ROUNDS = pydantic.conlist(_COUNT, min_items=1, max_items=4096)
     _PROBE = pydantic.conlist(pydantic.confloat(strict=True, allow_inf_nan=False), max_items=RECORD_PROBE_SIZE)
-_FLOAT_FIELDS = ("tokens_per_s", "loss", "last_seen", "useful_compute_s", "allocated_s", "eval_loss")
+_FLOAT_FIELDS = ("tokens_per_s", "loss", "last_seen", "useful_compute_s", "allocated_s", "eval_loss", "period_s")
 
 
 class PeerProgress(pydantic.BaseModel):
@@ -73,6 +73,7 @@ class PeerProgress(pydantic.BaseModel):
     phase: Phase = "training"  # "finishing": in its final and settle rounds; "left": its last record
     eval_loss: _NON_NEGATIVE | None = None  # held-out loss of its φ at its last eval; None: none yet, or an older peer
     probe: _PROBE = []  # its φ at RECORD_PROBE_SIZE probe coordinates (consensus.py); []: an older peer
+    period_s: _NON_NEGATIVE = 0.0  # the round period it wants (rounds/clock.py); 0.0: none, or an older peer
     admission: _ADMISSION_TEXT = ""  # a private run's admission of ``peer_id`` (membership.py); "" in an open run
 
     class Config:

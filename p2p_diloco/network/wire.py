@@ -78,6 +78,14 @@ class WireCounter:
             sum(counters.received for counters in self._per_socket.values()),
         )
 
+    def event_fields(self) -> dict[str, int | None]:
+        """:meth:`sample` as an event's ``wire_bytes_sent`` and ``wire_bytes_received`` (None: not measurable)."""
+        totals = self.sample()
+        return {
+            "wire_bytes_sent": totals.sent if totals else None,
+            "wire_bytes_received": totals.received if totals else None,
+        }
+
 
 def _is_p2pd(pid: int) -> bool:
     try:

@@ -52,9 +52,11 @@ class Averager(Protocol):
         tag: str = "",
         period_s: float = 0.0,
         subgroup: str = "",
+        group_size: int = 0,
     ) -> bool:
         """Start averaging ``proposal`` with whichever units meet within ``window_s`` under the same ``subgroup`` (a
-        string of bits: hivemind's group key); False when it cannot be taken now (nothing started). ``probe``,
+        string of bits: hivemind's group key), in a group of at most ``group_size`` (0: the averager's target; a group
+        that reaches it starts at once); False when it cannot be taken now (nothing started). ``probe``,
         ``tag`` and ``period_s`` are shared with the group. Raises RuntimeError with a round in flight, ValueError
         for a malformed request."""
         ...

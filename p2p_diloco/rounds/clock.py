@@ -6,33 +6,40 @@ with its speed, and after a few rounds fewer and fewer units share a matchmaking
 fell from 5.5 to 2.6 over a 180 s run). Here every round begins at a *boundary* of shared time instead:
 
 * a unit's round period T is the power of two (in seconds) nearest H × its measured inner-step time, with hysteresis,
-  and at least what one round keeps the unit's averager busy (its matchmaking lead, and the time from a boundary
-  until the unit could begin its next round: all-reduce, merge, eval); boundaries of fragment p of P are the times
-  n·T + p·T/P (seconds since the epoch, n an integer).
-* Every unit due at a boundary schedules its all-reduce at that boundary (plus a small random jitter, so that groups
-  of at most ``target_group_size`` members are drawn anew each round rather than by peer id), so every reachable unit
-  meets at every boundary, whatever its phase.
+  and at least what one round keeps the unit busy (the time from a boundary until the unit could begin its next
+  round: all-reduce, merge; and the minimum window before the next), twice that with a mix round per period;
+  boundaries of fragment p of P are the times n·T + p·T/P (seconds since the epoch, n an integer).
+* Every unit due at a boundary schedules its all-reduce at that boundary (plus its place's offset in the round's
+  layout, grid.py, which draws the groups anew every round), so every reachable unit meets at every boundary,
+  whatever its phase.
 * One period for the swarm: every round's members share the period each of them wants (its own, from its step time
-  and round latency), and each adopts the largest of them for its following rounds (at most ``MAX_ADOPTED`` times
-  its own, and a power of two). Since units keep meeting, the swarm converges to the period of its slowest unit,
-  and follows it down again when that unit speeds up or leaves, since members share what they want, not what they
-  adopted. Periods are powers of two, so until then the boundaries of a slower unit (2T, 4T, ...) are boundaries of
-  the faster ones too (with P = 1; with P > 1 the fragment offsets only coincide between units of the same period).
-* A unit begins matchmaking ``lead_s`` before its boundary (at least one inner step plus the minimum window, since
-  it looks between steps), never less than the minimum window before it (a boundary too close is left for the next
-  one), and sends whatever steps it made since its last round (weighted by their tokens).
+  and round latency), and each follows the largest wanted by a member of its last ``ADOPT_ROUNDS`` rounds (at most
+  ``MAX_ADOPTED`` times its own, and a power of two: with the rows of grid.py drawn anew every round, following only
+  the last round's members made units flip between two periods from round to round). Since units keep meeting, the
+  swarm converges to the period of its slowest unit, and follows it down again when that unit speeds up or leaves,
+  since members share what they want, not what they adopted. Periods are powers of two, so until then the
+  boundaries of a slower unit (2T, 4T, ...) are boundaries of the faster ones too (with P = 1; with P > 1 the
+  fragment offsets only coincide between units of the same period).
+* A unit begins matchmaking ``lead_s`` before its boundary (the minimum window plus two inner steps: it looks between
+  steps, and one slow step must not make it miss the boundary), or as late as ``LATE_S`` before it (a unit that was
+  busy still joins that boundary's groups: leaders accept members that schedule later than they do), and sends
+  whatever steps it made since its last round (weighted by their tokens). Measured before (one step of lead, the
+  minimum window at the latest: 8 units on 2 cores): units missed 2 to 4 of 12 boundaries each.
 """
 
 from __future__ import annotations
 
 import math
-import random
-from collections.abc import Sequence
+from collections import deque
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 HYSTERESIS = 0.75  # keep the period while H × step time stays within T·2^(±HYSTERESIS)
 MAX_ADOPTED = 8.0  # a unit follows a period at most this many times its own (a stranger cannot stall it)
-JITTER_S = 0.2  # spread of the scheduled times at one boundary (draws the groups anew every round)
+ADOPT_ROUNDS = 4  # ... wanted by a member of one of its last this many merged rounds
+LEAD_STEPS = 2  # inner steps of lead beyond the minimum window
+LATE_S = 0.5  # the latest a unit begins a boundary's round (before it)
+BUSY_MARGIN = 1.5  # a shorter period is taken only when it holds this many times the rounds' busy time
 
 
 def power_of_two_period(seconds: float) -> float:
@@ -61,39 +68,51 @@ class RoundClock:
     min_period_s: float
     rounds_per_period: int = 1  # 2 when a mix stage follows each round half a period later (engine.py)
     desired_s: float | None = None  # this unit's own period; None until a step time was measured
-    adopted_s: float = 0.0  # the largest period wanted by the members of its last merged round
-    rng: random.Random = field(default_factory=random.Random, repr=False)
+    wanted_by_members: deque[float] = field(default_factory=lambda: deque(maxlen=ADOPT_ROUNDS))  # per merged round
+    wanted_by_census: float = 0.0  # the longest period a live unit's progress record wants
 
     @property
     def period_s(self) -> float | None:
         """The period the unit's rounds follow: its own, or the one adopted from its last round if longer."""
-        return None if self.desired_s is None else max(self.desired_s, self.adopted_s)
+        if self.desired_s is None:
+            return None
+        wanted = max([self.wanted_by_census, *self.wanted_by_members])
+        return max(self.desired_s, min(wanted, MAX_ADOPTED * self.desired_s))
 
     def adopt(self, member_periods: Sequence[float]) -> None:
-        """Follow the longest period the members of a merged round want (powers of two, at most MAX_ADOPTED times this
-        unit's own; zeros, from members without a clock, are ignored)."""
-        if self.desired_s is None:
-            return
+        """Follow the longest period the members of this unit's last ADOPT_ROUNDS merged rounds want (powers of two, at
+        most MAX_ADOPTED times this unit's own; zeros, from members without a clock, are ignored)."""
         wanted = [power_of_two_period(period) for period in member_periods if period > 0 and math.isfinite(period)]
-        self.adopted_s = min(max(wanted, default=0.0), MAX_ADOPTED * self.desired_s)
+        self.wanted_by_members.append(max(wanted, default=0.0))
+
+    def follow_census(self, periods: Iterable[float]) -> None:
+        """Follow the longest period the live units' progress records want (as :meth:`adopt`, bounded alike): rows are
+        drawn anew every round, so a unit may go rounds without meeting the slowest one; the census reaches all."""
+        wanted = [power_of_two_period(period) for period in periods if period > 0 and math.isfinite(period)]
+        self.wanted_by_census = max(wanted, default=0.0)
 
     def update(self, step_time_s: float, busy_s: float = 0.0) -> float:
         """Adopt the period for a measured inner-step time and the measured time a round keeps the averager busy
-        after its boundary; returns it. The period grows at once when a round no longer fits, and otherwise changes
-        only when H × step time moves more than the hysteresis away from it."""
-        busy = self.rounds_per_period * (busy_s + self.lead_s(step_time_s))
-        floor = 2.0 ** math.ceil(math.log2(max(self.min_period_s, busy)))
+        after its boundary; returns it. The period grows at once when a round (and the minimum window before the
+        next) no longer fits, and otherwise changes only when H × step time moves more than the hysteresis away from
+        it; it comes down only to a period that holds the rounds with BUSY_MARGIN to spare (a busy time near the edge
+        of two periods made units flap between them, and units of different periods meet only at the longer one's
+        boundaries)."""
+        busy = self.rounds_per_period * (busy_s + self.min_window_s)
+        floor = _power_of_two_at_least(max(self.min_period_s, busy))
         wanted = max(self.inner_steps * step_time_s, floor)
         current = self.desired_s
         if current is None or floor > current or abs(math.log2(wanted / current)) > HYSTERESIS:
-            self.desired_s = max(floor, power_of_two_period(wanted))
+            candidate = max(floor, power_of_two_period(wanted))
+            if current is None or candidate > current or candidate >= BUSY_MARGIN * busy:
+                self.desired_s = candidate
         period = self.period_s
         assert period is not None
         return period
 
     def lead_s(self, step_time_s: float) -> float:
-        """How long before its boundary a round begins matchmaking."""
-        return self.min_window_s + step_time_s
+        """How long before its boundary a round begins matchmaking (at the earliest)."""
+        return self.min_window_s + LEAD_STEPS * step_time_s
 
     def boundary(self, fragment: int, now: float) -> float:
         """Fragment ``fragment``'s next boundary after ``now``. Raises RuntimeError before :meth:`update`."""
@@ -101,14 +120,15 @@ class RoundClock:
             raise RuntimeError("the round clock has no period before a step time was measured")
         return next_boundary(now, self.period_s, self.period_s * fragment / self.fragments)
 
-    def due_window(self, fragment: int, now: float, step_time_s: float, after: float) -> float | None:
-        """The matchmaking window (seconds from ``now``, jitter included) of fragment ``fragment``'s round when it
-        should begin now: its next boundary later than ``after`` (the boundary of its last round) is at most
-        :meth:`lead_s` away, and at least the minimum window. None when it is not due yet."""
-        boundary = self.boundary(fragment, now + self.min_window_s)
+    def due_boundary(self, fragment: int, now: float, step_time_s: float, after: float) -> float | None:
+        """The boundary of fragment ``fragment``'s round when it should begin now: its next boundary at least
+        ``LATE_S`` away and later than ``after`` (the boundary of its last round) is at most :meth:`lead_s` away. None
+        when it is not due yet."""
+        boundary = self.boundary(fragment, now + LATE_S)
         if boundary <= after or boundary - now > self.lead_s(step_time_s):
             return None
-        return boundary - now + self.jitter_s()
+        return boundary
 
-    def jitter_s(self) -> float:
-        return self.rng.uniform(0.0, JITTER_S)
+
+def _power_of_two_at_least(seconds: float) -> float:
+    return 2.0 ** math.ceil(math.log2(seconds))

@@ -3,8 +3,9 @@ asks the kinds of round (kinds.py) to begin or end one, and keeps the rounds in 
 waits (but in :meth:`RoundEngine.drain`, bounded, at exit): it returns typed results (results.py), and the learning
 unit does the I/O they call for. The calling loop::
 
-    engine = RoundEngine(plan, averagers, consensus_averagers, local=trainer.params)
+    engine = RoundEngine(plan, averagers, consensus_averagers, local=trainer.params, peer_id=own_id)
     while training:
+        engine.census = {peer_id: wanted_period_s, ...}  # now and then: the live units (the clock schedule's groups)
         stats = trainer.train_step(batches)
         engine.record_step(stats.tokens, stats.seconds)
         for end in engine.poll():                         # rounds that ended, already merged into φ, m and θ
@@ -47,7 +48,9 @@ class RoundEngine:
 
     ``averagers`` has one averager per fragment of ``plan``; ``consensus_averagers`` one more per fragment exactly when
     ``plan.consensus``. ``local``, ``sync`` and ``roundtrip``: see state.py ``OuterState``. Raises ValueError when the
-    averagers do not match the plan, or without ``roundtrip`` for a plan with error feedback.
+    averagers do not match the plan, or without ``roundtrip`` for a plan with error feedback. ``peer_id``: this unit's,
+    which places it in the clock schedule's groups with the :attr:`census` the caller keeps up to date (grid.py;
+    clock.py: the swarm's period).
     """
 
     def __init__(
@@ -59,6 +62,7 @@ class RoundEngine:
         local: Sequence[torch.Tensor],
         sync: LocalSync = InPlace(),
         roundtrip: Roundtrip | None = None,
+        peer_id: str = "",
     ):
         count, consensus = len(plan.fragments), plan.consensus is not None
         if len(averagers) != count or len(consensus_averagers) != (count if consensus else 0):
@@ -67,24 +71,25 @@ class RoundEngine:
         self.plan = plan
         self.averagers, self.consensus_averagers = list(averagers), list(consensus_averagers)
         self.state = OuterState(plan, local, sync, roundtrip)
-        self.schedule = schedule_of(plan)
+        self.peer_id = peer_id
+        self.schedule = schedule_of(plan, peer_id)
         self.consensus = ConsensusQueue(plan)
         self.fragment_round = FragmentRound(self.state)
         self.corrections: dict[RoundKind, CorrectionRound] = {
             RoundKind.CONSENSUS: Consensus(self.state), RoundKind.MIX: Mix(self.state)
         }  # fmt: skip
         self.in_flight: dict[RoundId, InFlight] = {}
-        self.swarm_size = 1  # live units the caller knows of, itself included (the mix stage runs beyond the target)
+        self.census: dict[str, float] = {}  # the live units the caller knows of: peer id → the period it wants
+
+    @property
+    def swarm_size(self) -> int:
+        """The live units of the census, this one included (the mix stage runs beyond the target)."""
+        return len(self.census.keys() | {self.peer_id})
 
     @property
     def outer_round(self) -> int:
         """The outer round every fragment reached (the smallest fragment round)."""
         return self.state.outer_round
-
-    @property
-    def mixing(self) -> bool:
-        """Whether mix rounds follow the fragment rounds now (schedule.py: the mix stage)."""
-        return self.plan.mixes and self.swarm_size > self.plan.group.target_size
 
     def record_step(self, tokens: int, compute_s: float) -> None:
         """Count one inner step toward every fragment's next round."""
@@ -110,9 +115,10 @@ class RoundEngine:
         now = time.time() if now is None else now
         schedule, busy = self.schedule, self._busy(RoundKind.FRAGMENT, RoundKind.MIX)
         results = [self._begin_scheduled(due) for due in schedule.mixes_due(busy, step_time_s, now)]
+        self._apply_held()  # merges whose mix round is no longer due
         in_flight, free = len(self.in_flight), self.plan.max_in_flight - len(self.in_flight)
         dues = schedule.fragments_due(self.state.fragments, self._busy(RoundKind.FRAGMENT, RoundKind.MIX), free,
-                                      step_time_s, now, self.mixing)  # fmt: skip
+                                      step_time_s, now, self.census)  # fmt: skip
         for due in dues:
             results.append(self._begin_scheduled(due))
             if results[-1].status is RoundStatus.RESET:
@@ -154,10 +160,11 @@ class RoundEngine:
         averager = (self.consensus_averagers if round_id.kind is RoundKind.CONSENSUS else self.averagers)[number]
         sent: SentRound | list[torch.Tensor] | None
         if round_id.kind is RoundKind.FRAGMENT:
-            begin, sent = self.fragment_round.begin(number, averager, due.window_s, self.schedule.desired_period_s)
+            begin, sent = self.fragment_round.begin(number, averager, due.window_s, self.schedule.desired_period_s,
+                                                    due.subgroup, due.group_size)  # fmt: skip
         else:
             correction = self.corrections[round_id.kind]
-            begin, sent = correction.begin(number, averager, due.window_s, due.weight, due.subgroup)
+            begin, sent = correction.begin(number, averager, due.window_s, due.weight, due.subgroup, due.group_size)
         if sent is not None:
             self.in_flight[round_id] = InFlight(averager, sent)
             if round_id.kind is RoundKind.CONSENSUS:
@@ -193,11 +200,19 @@ class RoundEngine:
         return ends
 
     def _cancel(self, *kinds: RoundKind) -> None:
-        """Cancel the correction rounds of ``kinds`` in flight (a mix round no longer due either)."""
+        """Cancel the correction rounds of ``kinds`` in flight (a mix round no longer due either: the merges held for
+        them are applied)."""
         for round_id in [round_id for round_id in self.in_flight if round_id.kind in kinds]:
             self.in_flight.pop(round_id).averager.finish_round(0.0)
         if RoundKind.MIX in kinds:
             self.schedule.forget_mixes()
+            self._apply_held()
+
+    def _apply_held(self) -> None:
+        """Apply the held merges (state.py ``HeldMerge``) of fragments whose mix round is neither due nor in flight."""
+        for number in list(self.state.held):
+            if not self.schedule.mix_pending(number) and RoundId(RoundKind.MIX, number) not in self.in_flight:
+                self.state.apply_held(number)
 
     def _end(self, round_id: RoundId, outcome: RoundOutcome) -> RoundEnd:
         """Ask the round's kind to apply ``outcome``; a fragment round's end also goes to the schedule and, merged, to
@@ -208,10 +223,11 @@ class RoundEngine:
             assert isinstance(sent, list)
             return self.corrections[round_id.kind].end(number, sent, outcome)
         assert isinstance(sent, SentRound)
-        end = self.fragment_round.end(number, sent, outcome)
+        end = self.fragment_round.end(number, sent, outcome, hold=True)
         if end.merged:
             self.consensus.after_merge(number, end.outer_round, end.member_drift)
-        self.schedule.fragment_ended(number, outcome if end.merged else None, self.mixing)
+        self.schedule.fragment_ended(number, outcome if end.merged else None)
+        self._apply_held()  # at once, unless a mix round follows: then φ changes once, at its end
         return end
 
     # ------------------------------------------------------------------------------------------------ windows

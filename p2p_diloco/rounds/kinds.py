@@ -15,11 +15,11 @@ from typing import ClassVar
 
 import torch
 
-from p2p_diloco.diloco import all_finite, distance, merge_local_progress
+from p2p_diloco.diloco import all_finite, distance
 from p2p_diloco.fragments import Fragment, assign, copies
 from p2p_diloco.rounds.averager import Averager, RoundOutcome
 from p2p_diloco.rounds.results import MERGES, RoundBegin, RoundEnd, RoundId, RoundKind, RoundStatus
-from p2p_diloco.rounds.state import OuterState
+from p2p_diloco.rounds.state import HeldMerge, OuterState
 from p2p_diloco.streaming import SentRound, flatten_pieces, unflatten_pieces
 from p2p_diloco.trust import MAX_STEP_RATIO, within
 
@@ -30,17 +30,20 @@ Tensors = list[torch.Tensor]
 
 class FragmentRound:
     """Fragment p's outer round: its payload (the unit's proposal or pseudo-gradient), then the group's average merged
-    into φ_p and m_p, the overlapped steps kept in θ_p."""
+    into φ_p and m_p, the overlapped steps kept in θ_p (or that merge held back until the fragment's mix round:
+    state.py ``HeldMerge``)."""
 
     def __init__(self, state: OuterState):
         self.state = state
 
     def begin(
-        self, number: int, averager: Averager, window_s: float, period_s: float
+        self, number: int, averager: Averager, window_s: float, period_s: float, subgroup: str = "", group_size: int = 0
     ) -> tuple[RoundBegin, SentRound | None]:
-        """Hand fragment ``number``'s payload to ``averager``: BEGUN (with what was sent), DEFERRED (the averager could
-        not take it) or RESET (θ was non-finite: θ ← φ, every fragment starts over)."""
+        """Hand fragment ``number``'s payload to ``averager`` (in ``subgroup``, a group of at most ``group_size``):
+        BEGUN (with what was sent), DEFERRED (the averager could not take it) or RESET (θ was non-finite: θ ← φ, every
+        fragment starts over)."""
         state, plan = self.state, self.state.plan
+        state.apply_held(number)  # the payload starts from the merged φ_p
         rounds = state.fragments[number]
         round_id = RoundId(RoundKind.FRAGMENT, number)
         local_at_send = state.read_local(rounds.fragment)
@@ -54,7 +57,8 @@ class FragmentRound:
         weight = max(1, rounds.tokens_since_round)
         begun = averager.begin_round(
             payload, weight=weight, outer_round=rounds.outer_round, window_s=window_s,
-            probe=state.probe(rounds.fragment), tag=f"fragment {number}", period_s=period_s,
+            probe=state.probe(rounds.fragment), tag=f"fragment {number}", period_s=period_s, subgroup=subgroup,
+            group_size=group_size,
         )  # fmt: skip
         if not begun:
             return RoundBegin(round_id, RoundStatus.DEFERRED, rounds.outer_round), None
@@ -64,9 +68,9 @@ class FragmentRound:
         sent = rounds.mark_sent(payload, local_at_send, momentum_proposal, state.steps, step_scale)
         return RoundBegin(round_id, RoundStatus.BEGUN, rounds.outer_round, window_s, weight), sent
 
-    def end(self, number: int, sent: SentRound, outcome: RoundOutcome) -> RoundEnd:
-        """Merge ``outcome`` into φ_p, m_p and θ_p when it is usable; otherwise carry the round's tokens and compute
-        into the fragment's next round."""
+    def end(self, number: int, sent: SentRound, outcome: RoundOutcome, hold: bool = False) -> RoundEnd:
+        """Merge ``outcome`` into φ_p, m_p and θ_p when it is usable (``hold``: keep that merge in the state until the
+        caller applies it); otherwise carry the round's tokens and compute into the fragment's next round."""
         state = self.state
         rounds = state.fragments[number]
         rounds.steps_since_round = 0
@@ -87,21 +91,15 @@ class FragmentRound:
         if merged is None:
             rounds.carry(sent)
         else:
-            self._merge(rounds.fragment, merged, sent)
+            if hold:
+                state.held[number] = HeldMerge(*merged, sent)
+            else:
+                state.merge(rounds.fragment, *merged, sent.local_at_send)
             rounds.outer_round = max(rounds.outer_round, outcome.max_member_round) + 1
         useful = (sent.compute_s * rounds.share, round(sent.tokens * rounds.share)) if merged is not None else (0.0, 0)
         return RoundEnd.of_fragment(number, status, outcome, (rounds.outer_round, state.outer_round), error=error,
                                     advanced=state.outer_round > unit_round_before, weight=sent.tokens,
                                     overlap_steps=state.steps - sent.inner_step, useful=useful)  # fmt: skip
-
-    def _merge(self, fragment: Fragment, merged: tuple[Tensors, Tensors], sent: SentRound) -> None:
-        """φ_p, m_p ← the merged values; θ_p ← φ_p + (θ_p,now − θ_p,sent)."""
-        state = self.state
-        new_params, new_momentum = merged
-        assign(state.global_params, fragment, new_params)
-        if new_momentum:
-            assign(state.momentum, fragment, new_momentum)
-        state.write_local(fragment, merge_local_progress(new_params, state.read_local(fragment), sent.local_at_send))
 
     def cancel(self, number: int, sent: SentRound) -> None:
         """A round that was cancelled (at exit): its tokens and compute go into the fragment's next round."""
@@ -145,15 +143,16 @@ class CorrectionRound:
         """The outer rounds a result of this round reports: the fragment's and the unit's."""
         return self.state.fragments[number].outer_round, self.state.outer_round
 
-    def begin(self, number: int, averager: Averager, window_s: float, weight: float = 1.0,
-              subgroup: str = "") -> tuple[RoundBegin, Tensors | None]:  # fmt: skip
-        """Hand the payload to ``averager``: BEGUN (with what was sent) or DEFERRED."""
+    def begin(self, number: int, averager: Averager, window_s: float, weight: float = 1.0, subgroup: str = "",
+              group_size: int = 0) -> tuple[RoundBegin, Tensors | None]:  # fmt: skip
+        """Hand the payload to ``averager`` (in ``subgroup``, a group of at most ``group_size``): BEGUN (with what was
+        sent) or DEFERRED."""
         payload = self.payload(number)
         outer_round = self.rounds(number)[0]
         round_id = RoundId(self.kind, number)
         begun = averager.begin_round(payload, weight=weight, outer_round=outer_round, window_s=window_s,
                                      probe=self.state.probe(self.fragment(number)), tag=self.tag(number),
-                                     subgroup=subgroup)  # fmt: skip
+                                     subgroup=subgroup, group_size=group_size)  # fmt: skip
         if not begun:
             return RoundBegin(round_id, RoundStatus.DEFERRED, outer_round), None
         return RoundBegin(round_id, RoundStatus.BEGUN, outer_round, window_s), payload
@@ -185,13 +184,24 @@ class Consensus(CorrectionRound):
 
 
 class Mix(CorrectionRound):
-    """Clock schedule: fragment p's (φ_p, m_p) averaged again among the units that had the same position in their
-    groups of the fragment round (engine.py); m_p becomes the mean's."""
+    """Clock schedule: fragment p's (φ_p, m_p) as its fragment round merged them (the merge held back meanwhile, so
+    that φ changes once per period) averaged again among the units of its column (grid.py); the held merge is applied
+    whatever the outcome, then a usable average moves φ_p and θ_p to the mean and m_p becomes the mean's."""
 
     kind = RoundKind.MIX
 
     def payload(self, number: int) -> Tensors:
-        return self.state.fragments[number].mix_payload(self.state.global_params, self.state.momentum)
+        state = self.state
+        fragment, held = self.fragment(number), state.held.get(number)
+        if held is not None:
+            return state.fragments[number].mix_payload(held.params, held.momentum)
+        return state.fragments[number].mix_payload(
+            copies(state.global_params, fragment), copies(state.momentum, fragment) if state.momentum else []
+        )
+
+    def end(self, number: int, sent: Tensors, outcome: RoundOutcome) -> RoundEnd:
+        self.state.apply_held(number)
+        return super().end(number, sent, outcome)
 
     def phi_part(self, number: int, tensors: Tensors) -> Tensors:
         return self.state.fragments[number].mix_parts(tensors)[0]

@@ -4,18 +4,18 @@ begins one (the engine does, and tells it which began and which ended).
 * :class:`StepSchedule` (``schedule = "steps"``): a fragment's round H of the unit's own inner steps after its
   previous one (fragments staggered by H/P steps; units' phases then drift apart with their speeds).
 * :class:`ClockSchedule` (``schedule = "clock"``): at the boundaries of shared time of clock.py, so that every
-  reachable unit meets at every boundary; and, while the mix stage runs, a fragment's mix round half a period after
-  its round (below).
+  reachable unit meets at every boundary, in the groups of grid.py's layout; and, while the mix stage runs, a
+  fragment's mix round half a period after its round (below).
 * :class:`ConsensusQueue` (lossy codecs): the fragments whose φ_p a consensus round should average again.
 
-The mix stage (clock schedule, fp32 proposals, and more live units than ``target_group_size``: the caller sets
-the engine's ``swarm_size``): a round's groups hold at most ``target_group_size`` members, so a swarm larger than
-that ends a round as several group means. Half a period after each fragment round, a mix round averages the
-fragment's (φ_p, m_p) again, weighted by the first group's total weight, among the units that had the same position in
-their first group (hivemind's group bits: ``subgroup`` = the position in binary). Each mix group then holds one member
-of every first group, so with groups of equal size and at most ``target_group_size`` of them (N ≤ target²) every unit
-ends the period on the weighted mean of all proposals: synchronous DiLoCo's φ. With unequal groups it is close to it;
-a unit alone in the first round (position 0) meets the others' first members.
+The mix stage (clock schedule, fp32 proposals, and more live units than ``target_group_size`` in the census the
+caller gives): a round's groups are the rows of grid.py's layout, so a swarm larger than the target ends a round as
+several row means. Half a period after each fragment round, a mix round averages the fragment's (φ_p, m_p) as the
+row merged them again among the units of the same column of that layout, each carrying its share of its row's total
+weight: every unit then ends the period on the weighted mean of all proposals, synchronous DiLoCo's φ, when every row
+and column met whole (grid.py). The row's merge is held back until then (engine.py; state.py ``HeldMerge``), so φ
+changes once per period, at the same moment on every unit; a mix round that fails, or is no longer due, applies it
+as it was.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from typing import Protocol
 
 from p2p_diloco.fragments import due_fragments
 from p2p_diloco.rounds.averager import RoundOutcome
-from p2p_diloco.rounds.clock import RoundClock
+from p2p_diloco.rounds.clock import LATE_S, RoundClock
+from p2p_diloco.rounds.grid import GridCell, grid_cell
 from p2p_diloco.rounds.plan import FINAL_ROUND_SLACK_S, RoundPlan
 from p2p_diloco.rounds.results import RoundId, RoundKind
 from p2p_diloco.streaming import FragmentRounds
@@ -36,14 +37,17 @@ BUSY_DECAY = 0.1  # how fast the measured busy time of a round comes down again
 
 @dataclass(frozen=True)
 class Due:
-    """A round to begin now: with matchmaking window ``window_s``, for ``boundary`` (a fragment round), in
-    ``subgroup`` and carrying ``weight`` (a mix round)."""
+    """A round to begin now: with matchmaking window ``window_s``, for ``boundary``, in ``subgroup``, at ``cell`` of
+    the round's layout (a fragment round on the clock) and carrying ``weight`` (a mix round), in a group of at most
+    ``group_size`` (0: the plan's target)."""
 
     id: RoundId
     window_s: float
     boundary: float = 0.0
     subgroup: str = ""
     weight: float = 0.0
+    cell: GridCell | None = None
+    group_size: int = 0
 
 
 class Schedule(Protocol):
@@ -61,17 +65,21 @@ class Schedule(Protocol):
         """The mix rounds to begin now (fragments in ``busy`` have a round in flight)."""
 
     def fragments_due(self, fragments: list[FragmentRounds], busy: set[int], free: int, step_time_s: float | None,
-                      now: float, mixing: bool) -> list[Due]:  # fmt: skip
-        """At most ``free`` fragment rounds to begin now (fragments in ``busy`` have a round in flight)."""
+                      now: float, census: dict[str, float]) -> list[Due]:  # fmt: skip
+        """At most ``free`` fragment rounds to begin now (fragments in ``busy`` have a round in flight; ``census``:
+        the live units the caller knows of, and the period each wants)."""
 
     def began(self, due: Due) -> None:
         """``due`` began (it was not deferred)."""
 
-    def fragment_ended(self, number: int, merged: RoundOutcome | None, mixing: bool) -> None:
+    def fragment_ended(self, number: int, merged: RoundOutcome | None) -> None:
         """Fragment ``number``'s round ended; ``merged``: its outcome, when it merged."""
 
     def forget_mixes(self) -> None:
         """No mix round is due any more (at exit)."""
+
+    def mix_pending(self, number: int) -> bool:
+        """Whether fragment ``number``'s mix round is due (not begun yet)."""
 
     def window_s(self, number: int, step_time_s: float | None, now: float) -> float:
         """The matchmaking window of a round of fragment ``number`` outside the schedule (consensus, final and settle
@@ -99,7 +107,7 @@ class StepSchedule:
         return []
 
     def fragments_due(self, fragments: list[FragmentRounds], busy: set[int], free: int, step_time_s: float | None,
-                      now: float, mixing: bool) -> list[Due]:  # fmt: skip
+                      now: float, census: dict[str, float]) -> list[Due]:  # fmt: skip
         steps = [rounds.steps_since_round for rounds in fragments]
         window_s = self.plan.window_s(step_time_s)
         numbers = due_fragments(steps, busy, free, self.plan.inner_steps)
@@ -108,11 +116,14 @@ class StepSchedule:
     def began(self, due: Due) -> None:
         pass
 
-    def fragment_ended(self, number: int, merged: RoundOutcome | None, mixing: bool) -> None:
+    def fragment_ended(self, number: int, merged: RoundOutcome | None) -> None:
         pass
 
     def forget_mixes(self) -> None:
         pass
+
+    def mix_pending(self, number: int) -> bool:
+        return False
 
     def window_s(self, number: int, step_time_s: float | None, now: float) -> float:
         return self.plan.window_s(step_time_s)
@@ -124,21 +135,25 @@ class StepSchedule:
 
 @dataclass(frozen=True)
 class MixDue:
-    """A fragment's mix round to begin: at ``boundary``, in ``subgroup``, carrying ``weight``."""
+    """A fragment's mix round to begin: at ``boundary`` plus ``offset_s``, in ``subgroup`` of ``group_size`` units,
+    carrying ``weight``."""
 
     boundary: float
     subgroup: str
     weight: float
+    offset_s: float
+    group_size: int
 
 
 class ClockSchedule(StepSchedule):
-    """Rounds at the boundaries of shared time (clock.py; the module docstring). Until a step time was measured, the
-    unit counts its own steps."""
+    """Rounds at the boundaries of shared time (clock.py), in the groups of grid.py's layout for unit ``peer_id``
+    (the module docstring). Until a step time was measured, the unit counts its own steps."""
 
-    def __init__(self, plan: RoundPlan, clock: RoundClock):
+    def __init__(self, plan: RoundPlan, clock: RoundClock, peer_id: str):
         super().__init__(plan)
-        self.clock = clock
+        self.clock, self.peer_id = clock, peer_id
         self.last_boundary = [-math.inf] * len(plan.fragments)  # per fragment, the boundary of its last round
+        self.last_cell: list[GridCell | None] = [None] * len(plan.fragments)  # per fragment, its last round's cell
         self.busy_s: float | None = None  # how long after its boundary a round kept the unit
         self.mix_due: dict[int, MixDue] = {}  # fragment → its mix round to begin
         self._ended_since_look: set[int] = set()  # fragments whose round ended since the last look
@@ -152,39 +167,43 @@ class ClockSchedule(StepSchedule):
         return self.clock.desired_s or 0.0
 
     def mixes_due(self, busy: set[int], step_time_s: float | None, now: float) -> list[Due]:
-        """The mix rounds whose boundary is within the lead (those too close to begin are dropped)."""
+        """The mix rounds whose boundary is within the lead (those closer than clock.py's LATE_S are dropped)."""
         dues = []
         for number, due in list(self.mix_due.items()):
             window_s = due.boundary - now
-            if step_time_s is None or window_s < self.plan.window.min_s:
+            if step_time_s is None or window_s < LATE_S:
                 del self.mix_due[number]
             elif number not in busy and window_s <= self.clock.lead_s(step_time_s):
-                dues.append(Due(RoundId(RoundKind.MIX, number), window_s + self.clock.jitter_s(), due.boundary,
-                                due.subgroup, due.weight))  # fmt: skip
+                dues.append(Due(RoundId(RoundKind.MIX, number), window_s + due.offset_s, due.boundary, due.subgroup,
+                                due.weight, group_size=due.group_size))  # fmt: skip
         return dues
 
     def fragments_due(self, fragments: list[FragmentRounds], busy: set[int], free: int, step_time_s: float | None,
-                      now: float, mixing: bool) -> list[Due]:  # fmt: skip
+                      now: float, census: dict[str, float]) -> list[Due]:  # fmt: skip
         if step_time_s is None:  # the clock needs a step time: H own steps until then
-            return super().fragments_due(fragments, busy, free, step_time_s, now, mixing)
+            return super().fragments_due(fragments, busy, free, step_time_s, now, census)
         for number in self._ended_since_look:
             if math.isfinite(self.last_boundary[number]):
                 busy_s = max(0.0, now - self.last_boundary[number])
                 decayed = busy_s if self.busy_s is None else self.busy_s + BUSY_DECAY * (busy_s - self.busy_s)
                 self.busy_s = max(busy_s, decayed)  # up at once, down slowly: the period does not flap
         self._ended_since_look.clear()
-        self.clock.rounds_per_period = 2 if mixing else 1
+        target = self.plan.group.target_size
+        self.clock.rounds_per_period = 2 if self.plan.mixes and len(census.keys() | {self.peer_id}) > target else 1
         self.clock.update(step_time_s, self.busy_s or 0.0)
+        self.clock.follow_census(census.values())
         dues: list[Due] = []
         for rounds in fragments:
             number = rounds.fragment.number
             if len(dues) >= free or number in busy or rounds.steps_since_round == 0:
                 continue
-            window = self.clock.due_window(number, now, step_time_s, after=self.last_boundary[number])
-            if window is not None:
+            boundary = self.clock.due_boundary(number, now, step_time_s, after=self.last_boundary[number])
+            if boundary is not None:
                 self.mix_due.pop(number, None)  # a mix not begun by the next round is stale
-                boundary = self.clock.boundary(number, now + self.plan.window.min_s)
-                dues.append(Due(RoundId(RoundKind.FRAGMENT, number), window, boundary))
+                cell = grid_cell(census, self.peer_id, f"{number}@{boundary:.3f}", target)
+                window = boundary - now + cell.row_offset_s
+                dues.append(Due(RoundId(RoundKind.FRAGMENT, number), window, boundary, cell.row_bits, cell=cell,
+                                group_size=cell.row_size))  # fmt: skip
         return dues
 
     def began(self, due: Due) -> None:
@@ -192,21 +211,26 @@ class ClockSchedule(StepSchedule):
             del self.mix_due[due.id.fragment]
         else:
             self.last_boundary[due.id.fragment] = due.boundary
+            self.last_cell[due.id.fragment] = due.cell
 
-    def fragment_ended(self, number: int, merged: RoundOutcome | None, mixing: bool) -> None:
+    def fragment_ended(self, number: int, merged: RoundOutcome | None) -> None:
         """Follow the members' period, and queue the fragment's mix round half a period after the round's boundary,
-        in the subgroup of this unit's position."""
+        in this unit's column of the round's layout, carrying its share of its row's weight."""
         self._ended_since_look.add(number)
         if merged is None or self.clock.period_s is None:
             return
         self.clock.adopt(merged.member_periods)
-        if mixing and math.isfinite(self.last_boundary[number]):
-            half = self.clock.period_s / 2
-            self.mix_due[number] = MixDue(self.last_boundary[number] + half, format(merged.position, "b"),
-                                          max(merged.total_weight, 1.0))  # fmt: skip
+        cell = self.last_cell[number]
+        if self.plan.mixes and cell is not None and cell.rows > 1 and math.isfinite(self.last_boundary[number]):
+            half, weight = self.clock.period_s / 2, max(merged.total_weight, 1.0) * cell.column_share
+            self.mix_due[number] = MixDue(self.last_boundary[number] + half, cell.column_bits, weight,
+                                          cell.column_offset_s, cell.column_size)  # fmt: skip
 
     def forget_mixes(self) -> None:
         self.mix_due.clear()
+
+    def mix_pending(self, number: int) -> bool:
+        return number in self.mix_due
 
     def window_s(self, number: int, step_time_s: float | None, now: float) -> float:
         """Until the fragment's next boundary at least a minimum window away (the plan's window before a period)."""
@@ -222,10 +246,10 @@ class ClockSchedule(StepSchedule):
         return window_s + FINAL_ROUND_SLACK_S + self.plan.group.allreduce_timeout_s
 
 
-def schedule_of(plan: RoundPlan) -> Schedule:
-    """The schedule of ``plan`` (a new round clock for the clock schedule)."""
+def schedule_of(plan: RoundPlan, peer_id: str) -> Schedule:
+    """The schedule of ``plan`` for unit ``peer_id`` (a new round clock for the clock schedule)."""
     clock = plan.clock()
-    return StepSchedule(plan) if clock is None else ClockSchedule(plan, clock)
+    return StepSchedule(plan) if clock is None else ClockSchedule(plan, clock, peer_id)
 
 
 class ConsensusQueue:

@@ -1,18 +1,20 @@
 """The outer state of one learning unit: φ, the outer momentum m (none at all at momentum 0: it would never be read),
-every fragment's round bookkeeping (streaming.py ``FragmentRounds``), the inner-step counters, and the link to the
-trained θ. The round kinds (kinds.py) read and change it; nothing here does I/O."""
+every fragment's round bookkeeping (streaming.py ``FragmentRounds``), the merges held back until a mix round, the
+inner-step counters, and the link to the trained θ. The round kinds (kinds.py) read and change it; nothing here does
+I/O."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
-from p2p_diloco.diloco import consensus_probe, consensus_probe_indices
+from p2p_diloco.diloco import consensus_probe, consensus_probe_indices, merge_local_progress
 from p2p_diloco.fragments import Fragment, assign, copies, partition, views
 from p2p_diloco.rounds.plan import RoundPlan
-from p2p_diloco.streaming import ErrorFeedback, FragmentRounds, Roundtrip
+from p2p_diloco.streaming import ErrorFeedback, FragmentRounds, Roundtrip, SentRound
 
 Tensors = list[torch.Tensor]
 
@@ -36,6 +38,16 @@ class InPlace:
 
     def store(self, indices: Sequence[int]) -> None:
         pass
+
+
+@dataclass(frozen=True)
+class HeldMerge:
+    """A fragment round's merge held back until its mix round (schedule.py): the fragment's new φ_p and m_p (empty:
+    m unchanged), and what the round sent."""
+
+    params: Tensors
+    momentum: Tensors
+    sent: SentRound
 
 
 class OuterState:
@@ -62,6 +74,7 @@ class OuterState:
         self.whole = partition([tensor.shape for tensor in self.global_params], 1)[0]  # the model as one fragment
         self._probe_indices = {f: consensus_probe_indices(views(self.global_params, f)) for f in plan.fragments}
         self._probe_indices[self.whole] = consensus_probe_indices(self.global_params)
+        self.held: dict[int, HeldMerge] = {}  # fragment → its merge held back until its mix round
         self.steps = 0  # inner steps recorded (the clock of overlaps)
         self.step_tokens = 0  # tokens of the last inner step (how many steps a round's tokens stand for)
         self.restart_schedules()
@@ -84,6 +97,8 @@ class OuterState:
         """φ, m and the error-feedback residuals (the rounds in flight hold the rest: engine.py)."""
         yield from self.global_params
         yield from self.momentum
+        for held in self.held.values():
+            yield from [*held.params, *held.momentum]
         for rounds in self.fragments:
             if rounds.error_feedback is not None:
                 yield from rounds.error_feedback.residuals
@@ -94,6 +109,7 @@ class OuterState:
         rounds for another number of fragments sets every fragment to its smallest value."""
         self.global_params = [tensor.detach().to(device="cpu", dtype=torch.float32) for tensor in global_params]
         self.momentum = self._kept_momentum(momentum)
+        self.held.clear()
         if len(fragment_rounds) != len(self.fragments):
             fragment_rounds = [min(fragment_rounds, default=0)] * len(self.fragments)
         for rounds, value in zip(self.fragments, fragment_rounds):
@@ -121,7 +137,8 @@ class OuterState:
             rounds.restart_schedule(len(self.fragments), self.plan.inner_steps)
 
     def reset_local(self) -> None:
-        """θ ← φ (a diverged θ) and every fragment's schedule starts over."""
+        """θ ← φ (a diverged θ) and every fragment's schedule starts over (a held merge is dropped)."""
+        self.held.clear()
         with torch.no_grad():
             for tensor, value in zip(self.local, self.global_params):
                 tensor.copy_(value.to(device=tensor.device, dtype=tensor.dtype))
@@ -137,6 +154,21 @@ class OuterState:
         """``values`` into θ's pieces of ``fragment``, stored after."""
         assign(self.local, fragment, values)
         self.sync.store(fragment.tensor_indices)
+
+    def merge(self, fragment: Fragment, params: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor],
+              local_at_send: Sequence[torch.Tensor]) -> None:  # fmt: skip
+        """φ_p, m_p ← ``params``, ``momentum`` (empty: m unchanged); θ_p ← φ_p + (θ_p,now − ``local_at_send``): the
+        steps made since the round was sent stay."""
+        assign(self.global_params, fragment, params)
+        if momentum:
+            assign(self.momentum, fragment, momentum)
+        self.write_local(fragment, merge_local_progress(params, self.read_local(fragment), local_at_send))
+
+    def apply_held(self, number: int) -> None:
+        """Merge fragment ``number``'s held merge (:meth:`merge`), if it has one."""
+        held = self.held.pop(number, None)
+        if held is not None:
+            self.merge(self.fragments[number].fragment, held.params, held.momentum, held.sent.local_at_send)
 
     def shift(self, fragment: Fragment, delta: Sequence[torch.Tensor]) -> None:
         """Add ``delta`` (shaped like the fragment's pieces) to φ's and θ's pieces of ``fragment``: a correction round

@@ -44,6 +44,7 @@ from p2p_diloco.rounds.plan import RoundPlan
 from p2p_diloco.rounds.results import RoundBegin, RoundEnd, RoundKind, RoundStatus
 from p2p_diloco.unit import events
 from p2p_diloco.unit.data import DataPosition, TextData, TrainingStream
+from p2p_diloco.unit.evaluation import Evaluator
 from p2p_diloco.unit.forking import optimizer_tensors
 from p2p_diloco.unit.goodput import LEDGER_FILE, GoodputLedger
 from p2p_diloco.unit.inner import InnerTrainer, StepStats, copy_into, host_copies
@@ -93,17 +94,19 @@ class LearningUnit:
         eval_batches: Sequence[torch.Tensor] = (),
     ):
         self.config, self.loaded, self.data, self.network, self.metrics = config, loaded, data, network, metrics
-        self.eval_batches = list(data.eval_batches if data is not None else eval_batches)  # none: no evals
         self.ranks = ranks or Ranks()  # rank 0 of them, or the unit's only process
         if trainer is None:  # the CLI's: the [inner] section's optimizer over the loaded model
             assert isinstance(config, PeerConfig), "a unit without a trainer of its caller's trains by [inner]"
             trainer = InnerTrainer(loaded.model, config.inner, loaded.device, loaded.autocast, self.ranks.replica,
                                    sharded=self.ranks.sharded)  # fmt: skip
         self.trainer = trainer  # θ is its params; the library API's caller steps its optimizer itself
+        batches = data.eval_batches if data is not None else eval_batches  # none: no evals
+        self.evaluator = Evaluator(batches, trainer, self.ranks, metrics)
         self.theta = self.ranks.theta(trainer.params)  # what the round engine reads and writes (ranks.py)
         self.engine = RoundEngine(plan, network.averagers, network.consensus_averagers, local=self.theta,
                                   sync=ThetaLink(self.ranks, trainer.params),
-                                  roundtrip=functools.partial(roundtrip, codec=plan.step.codec))  # fmt: skip
+                                  roundtrip=functools.partial(roundtrip, codec=plan.step.codec),
+                                  peer_id=network.peer_id)  # fmt: skip
         self.state = self.engine.state  # φ, m and the fragments' rounds
         self.inner_step = self.tokens = 0
         self.data_position = DataPosition()  # where the unit's data stream starts (join: from its checkpoint)
@@ -117,7 +120,7 @@ class LearningUnit:
         self._census_read: PendingProgress | None = None  # the live units' progress records, read without waiting
         self.last_loss = float("nan")
         self.last_group_size = 0
-        self.last_eval: float | None = None
+        self._advanced = False  # the unit's round advanced since its last periodic I/O (ended)
         self.checkpoint_path = Path(config.run.work_dir) / "checkpoint.pt"
         self.ledger_path = Path(config.run.work_dir) / LEDGER_FILE
         self.ledger = GoodputLedger.load_or_create(self.ledger_path)
@@ -191,10 +194,11 @@ class LearningUnit:
         """After an inner step (its bookkeeping done: :meth:`train_step` or :meth:`record_step`): merge the rounds
         that ended, begin those that are due, publish progress and read the census now and then."""
         self._progress.inner_step(stats.loss, self.throughput.tokens_per_s or 0.0)
+        self._off_the_clock(self.evaluator.advance)
         ended = self.poll_round()
         fragments = [end for end in ended if end.kind is RoundKind.FRAGMENT]
         if fragments:
-            self._progress.outer_round(self.outer_round, fragments[-1].group_size, self.last_eval)
+            self._progress.outer_round(self.outer_round, fragments[-1].group_size, self.evaluator.last_loss)
         self.maybe_begin_round()
         if time.monotonic() - self._last_progress >= PROGRESS_EVERY_S:
             self.publish("training", wait=False)
@@ -203,7 +207,8 @@ class LearningUnit:
         if self._census_read is not None and (live := self._census_read.poll()) is not None:
             self._census_read = None
             if live:  # an empty or failed read keeps the last census; the unit counts itself
-                self.engine.swarm_size = len(set(in_phase(live, "training", "finishing")) | {self.network.peer_id})
+                live_units = in_phase(live, "training", "finishing").values()
+                self.engine.census = {record.peer_id: record.period_s for record in live_units}
                 self.metrics.write(consensus_event(in_phase(live, "training").values()))
 
     def _write_replica_probe(self) -> None:
@@ -263,21 +268,23 @@ class LearningUnit:
         self._report(begin)
 
     def ended(self, end: RoundEnd) -> None:
-        """Do what a round that ended calls for: goodput and, once per period (the unit's round advanced), the costly
-        I/O for a merged fragment round; its event; a probe whenever φ changed."""
+        """Do what a round that ended calls for: goodput; its event; a probe whenever φ may have changed; and, once per
+        period (the unit's round advanced) and once φ holds the merge of the round's fragment (after its mix round,
+        when one follows), the costly I/O."""
         merged = end.kind is RoundKind.FRAGMENT and end.merged
         if merged:
             self.last_group_size = end.group_size
             self.ledger.record_merge(end.useful_compute_s, end.useful_tokens)
-            if end.advanced:
-                self.ledger.save(self.ledger_path)
-                self._publish_state()
-                self.network.records.refresh_model_fingerprint(self.loaded.fingerprint)
-                self.network.records.publish_membership()
+            self._advanced = self._advanced or end.advanced
         self._report(end, wire=merged and end.advanced)
-        if merged or (end.kind is not RoundKind.FRAGMENT and end.status is RoundStatus.MERGED):
+        if merged or end.kind is RoundKind.MIX or end.status is RoundStatus.MERGED:  # a mix applies a held merge
             self._write_probe()
-        if merged and end.advanced:
+        if self._advanced and end.fragment not in self.state.held:
+            self._advanced = False
+            self.ledger.save(self.ledger_path)
+            self._publish_state()
+            self.network.records.refresh_model_fingerprint(self.loaded.fingerprint)
+            self.network.records.publish_membership()
             self._periodic_io()
 
     def _report(self, result: RoundBegin | RoundEnd, wire: bool = False) -> None:
@@ -285,7 +292,7 @@ class LearningUnit:
         ledger, now = self.ledger, time.time()
         counters = UnitCounters(self.inner_step, self.outer_round, now, self.engine.schedule.period_s,
                                 ledger.useful_compute_s, ledger.useful_tokens, ledger.goodput(now),
-                                self._wire_fields() if wire else {})  # fmt: skip
+                                self.wire.event_fields() if wire else {})  # fmt: skip
         event = round_event(result, counters)
         if event is not None:
             self.metrics.write(event)
@@ -303,15 +310,16 @@ class LearningUnit:
 
     # ------------------------------------------------------------------------------------ reporting, io
     def _evaluate(self, reason: events.EvalReason) -> None:
-        """Evaluate φ on the held-out batches. Its time is left out of the training loop's period (the step time that
-        sizes matchmaking windows and clock periods): an eval is no inner step."""
+        """Evaluate φ on the held-out batches (evaluation.py: after a round, spread over the next inner steps)."""
+        self._off_the_clock(lambda: self.evaluator.evaluate(self.state.global_params, self.outer_round, reason))
+
+    def _off_the_clock(self, work: Callable[[], None]) -> None:
+        """Run ``work`` (an eval) with its time left out of the training loop's period (the step time that sizes
+        matchmaking windows and clock periods): an eval is no inner step."""
         started = time.monotonic()
-        if not self.eval_batches:
-            return
-        self.last_eval = self.ranks.evaluate(self.trainer, self.state.global_params, self.eval_batches)
+        work()
         if self._last_step_end is not None:
             self._last_step_end += time.monotonic() - started
-        self.metrics.write(events.Eval(reason=reason, outer_round=self.outer_round, eval_loss=self.last_eval))
 
     def _write_probe(self) -> None:
         self.metrics.write(events.ModelProbe(outer_round=self.outer_round, values=self.state.probe()))
@@ -324,7 +332,7 @@ class LearningUnit:
     def publish(self, phase: Phase, wait: bool) -> None:
         """This unit's progress record (the census of departure.py: its phase); stored before returning (at most
         DHT_TIMEOUT_S) when ``wait``."""
-        eval_loss = self.last_eval if self.last_eval is not None and math.isfinite(self.last_eval) else None
+        eval_loss = self.evaluator.last_loss if math.isfinite(self.evaluator.last_loss or math.nan) else None
         progress = PeerProgress(
             peer_id=self.network.peer_id, inner_step=self.inner_step, outer_round=self.outer_round,
             tokens_per_s=float(self.throughput.tokens_per_s or 0.0),
@@ -332,6 +340,7 @@ class LearningUnit:
             group_size=self.last_group_size, model_fingerprint=self.loaded.fingerprint,
             useful_compute_s=self.ledger.useful_compute_s, allocated_s=self.ledger.allocated_s(time.time()),
             phase=phase, eval_loss=eval_loss, probe=record_probe(self.state.probe()),
+            period_s=self.engine.schedule.desired_period_s,
         )  # fmt: skip
         self.network.records.publish_progress(progress, ttl_s=PROGRESS_TTL_S, wait=wait)
 
@@ -384,16 +393,9 @@ class LearningUnit:
     def _write_stop(self) -> None:
         now, ledger, device = time.time(), self.ledger, self.loaded.device
         self.metrics.write(events.Stop(
-            inner_step=self.inner_step, outer_round=self.outer_round, tokens=self.tokens, eval_loss=self.last_eval,
-            compute_s=ledger.compute_s, useful_compute_s=ledger.useful_compute_s, useful_tokens=ledger.useful_tokens,
-            allocated_s=ledger.allocated_s(now), goodput=ledger.goodput(now), **self._wire_fields(),
+            inner_step=self.inner_step, outer_round=self.outer_round, tokens=self.tokens,
+            eval_loss=self.evaluator.last_loss, compute_s=ledger.compute_s, useful_compute_s=ledger.useful_compute_s,
+            useful_tokens=ledger.useful_tokens, allocated_s=ledger.allocated_s(now), goodput=ledger.goodput(now),
+            **self.wire.event_fields(),
             peak_device_bytes=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
         ))  # fmt: skip
-
-    def _wire_fields(self) -> dict[str, int | None]:
-        """Cumulative bytes this unit's p2p daemon sent and received over TCP (None: not measurable here)."""
-        totals = self.wire.sample()
-        return {
-            "wire_bytes_sent": totals.sent if totals else None,
-            "wire_bytes_received": totals.received if totals else None,
-        }
