@@ -86,7 +86,6 @@ def test_units_of_two_ranks_average_and_a_killed_rank_restarts_its_unit(swarm: S
         steps = [0] + [event.inner_step for event in swarm.events(name, OuterRoundBegin)]
         weights = [event.weight for event in swarm.events(name, OuterRoundBegin)]
         assert weights == [(now - before) * TOKENS_PER_RANK_STEP * 2 for before, now in zip(steps, steps[1:])]
-        assert steps[1] == INNER_STEPS
         evals = [event.eval_loss for event in swarm.events(name, Eval) if event.eval_loss is not None]
         assert evals[-1] < evals[0] - 0.5, evals
 

@@ -202,8 +202,7 @@ class ClockSchedule(StepSchedule):
                 self.mix_due.pop(number, None)  # a mix not begun by the next round is stale
                 cell = grid_cell(census, self.peer_id, f"{number}@{boundary:.3f}", target)
                 window = boundary - now + cell.row_offset_s
-                dues.append(Due(RoundId(RoundKind.FRAGMENT, number), window, boundary, cell.row_bits, cell=cell,
-                                group_size=cell.row_size))  # fmt: skip
+                dues.append(Due(RoundId(RoundKind.FRAGMENT, number), window, boundary, cell.row_bits, cell=cell))
         return dues
 
     def began(self, due: Due) -> None:
@@ -223,8 +222,9 @@ class ClockSchedule(StepSchedule):
         cell = self.last_cell[number]
         if self.plan.mixes and cell is not None and cell.rows > 1 and math.isfinite(self.last_boundary[number]):
             half, weight = self.clock.period_s / 2, max(merged.total_weight, 1.0) * cell.column_share
+            size = max(cell.column_size, self.plan.group.target_size)  # room for units the census missed, as in rows
             self.mix_due[number] = MixDue(self.last_boundary[number] + half, cell.column_bits, weight,
-                                          cell.column_offset_s, cell.column_size)  # fmt: skip
+                                          cell.column_offset_s, size)  # fmt: skip
 
     def forget_mixes(self) -> None:
         self.mix_due.clear()

@@ -189,7 +189,8 @@ class RoundLines:
     seconds and drift), with the eval that followed it appended, one per eval at join and at exit, and one when the
     unit left.
 
-    A round's line is held until the next event (at most one inner step) so that its eval joins it.
+    A round's line is held until its eval or the next event other than an inner step (an eval after a round is spread
+    over the next inner steps: evaluation.py), so that its eval joins it.
     """
 
     def __init__(self, fragments: int):
@@ -198,7 +199,7 @@ class RoundLines:
         self._lineages: int | None = None
 
     def write(self, event: events.Event) -> None:
-        if isinstance(event, events.ModelProbe):
+        if isinstance(event, (events.ModelProbe, events.InnerStep)):
             return  # written between a round and its eval
         if isinstance(event, events.SwarmConsensus):
             self._consensus_line(event)
