@@ -8,7 +8,7 @@ unit does the I/O they call for. The calling loop::
         engine.census = {peer_id: wanted_period_s, ...}  # now and then: the live units (the clock schedule's groups)
         stats = trainer.train_step(batches)
         engine.record_step(stats.tokens, stats.seconds)
-        for end in engine.poll():                         # rounds that ended, already merged into φ, m and θ
+        for end in engine.poll():                         # rounds that ended, merged into φ, m and θ (or held: mix)
             ...                                           # metrics, goodput; when end.advanced: publish, eval, ...
         for begin in engine.begin_due(step_time_s, now):  # rounds that became due (now: the DHT's clock)
             ...                                           # RESET: θ was reset to φ, reset the inner optimizer

@@ -5,7 +5,8 @@ Why spread: an eval of 8 batches after every round held each unit 1 to 4 s (tiny
 53 s (SmolLM2-135M on the CPU); a unit busy in it missed the next boundary of shared time, and with it a round of
 the swarm (results/scale). A spread eval snapshots φ when it begins (one copy of φ while it runs), evaluates
 ``BATCHES_PER_STEP`` batches after each inner step, and reports the mean over all batches for the round it began at:
-the same number an eval at once gives. A newer eval replaces one still running (its batches are dropped).
+the same number an eval at once gives. An eval still running when the next one is due finishes at once first (a
+unit whose rounds come faster than its eval's batches evaluates every round all the same).
 """
 
 from __future__ import annotations
@@ -41,8 +42,10 @@ class Evaluator:
 
     def evaluate(self, phi: Sequence[torch.Tensor], outer_round: int, reason: events.EvalReason) -> None:
         """Evaluate ``phi`` (of ``outer_round``): after a round (``reason`` "outer_round") a spread eval begins (a
-        unit whose ranks hold shards evaluates at once: each batch is a collective of all ranks); else at once."""
-        self.running = None
+        unit whose ranks hold shards evaluates at once: each batch is a collective of all ranks); else at once. An eval
+        still running finishes at once first."""
+        while self.running is not None:
+            self.advance()
         if not self.batches:
             return
         if reason == "outer_round" and not self.ranks.sharded:

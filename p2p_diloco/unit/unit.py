@@ -268,9 +268,8 @@ class LearningUnit:
         self._report(begin)
 
     def ended(self, end: RoundEnd) -> None:
-        """Do what a round that ended calls for: goodput; its event; a probe whenever φ may have changed; and, once per
-        period (the unit's round advanced) and once φ holds the merge of the round's fragment (after its mix round,
-        when one follows), the costly I/O."""
+        """Do what a round that ended calls for: goodput; its event; a probe whenever φ may have changed; once per
+        period (the round advanced) and once φ holds that fragment's merge (after its mix round), the costly I/O."""
         merged = end.kind is RoundKind.FRAGMENT and end.merged
         if merged:
             self.last_group_size = end.group_size
