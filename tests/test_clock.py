@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from fakes import FakeGroup, TimedGroup
+from fakes import FakeGroup, TimedGroup, clone_all
 
 from p2p_diloco.config import OuterSection
 from p2p_diloco.rounds.clock import ADOPT_ROUNDS, RoundClock, next_boundary, power_of_two_period
@@ -14,7 +14,7 @@ from p2p_diloco.rounds.departure import settle_window_s
 from p2p_diloco.rounds.engine import RoundEngine
 from p2p_diloco.rounds.kinds import Settle
 from p2p_diloco.rounds.plan import RoundPlan
-from p2p_diloco.rounds.results import RoundEnd, RoundKind, RoundStatus
+from p2p_diloco.rounds.results import RoundEnd, RoundId, RoundKind, RoundStatus
 from p2p_diloco.rounds.schedule import ClockSchedule
 
 SHAPES = [(8, 4), (4,)]
@@ -260,6 +260,26 @@ def test_final_rounds_begin_while_a_mix_round_is_in_flight() -> None:
     assert isinstance(leaving.schedule, ClockSchedule)
     assert not mixing(leaving) and not leaving.schedule.mix_due
     assert [begin.status for begin in begins] == [RoundStatus.BEGUN]
+
+
+def test_a_round_in_flight_at_exit_merges_at_once_and_the_steps_made_meanwhile_go_in_one_more_final_round() -> None:
+    """A unit leaving while its fragment round is in flight, in rows (a mix round would follow): the drain merges the
+    round into φ at once (no mix round runs at exit), and the steps made while it ran are handed over by the next
+    final round."""
+    group, units = mixing_units(outer_momentum=0.0)
+    leaving, now = units[0], 10_000.0
+    fragment_round = RoundId(RoundKind.FRAGMENT, 0)
+    while fragment_round not in leaving.in_flight and now < 10_030.0:
+        now += 0.1
+        tick(group, units, now)
+    step(leaving, 0.5)  # trained while the round is in flight
+    group.advance(now + 10.0)  # every round scheduled ends
+    before = clone_all(leaving.state.global_params)
+    (end,) = leaving.drain(timeout_s=1.0)
+    assert end.merged and not leaving.state.held and not leaving.schedule.mix_pending(0)
+    assert any(not torch.equal(old, new) for old, new in zip(before, leaving.state.global_params))
+    assert [begin.status for begin in leaving.begin_final(0.1, now + 10.0)] == [RoundStatus.BEGUN]
+    assert leaving.begin_final(0.1, now + 10.0) == []  # in flight: nothing more to hand over
 
 
 def mixing(engine: RoundEngine) -> bool:

@@ -450,6 +450,18 @@ def test_finish_hands_the_last_steps_to_a_final_round_then_checkpoints_and_expor
     assert saved_ledger(a) == ledger
 
 
+def test_finish_hands_the_steps_made_while_a_round_was_in_flight_to_one_more_final_round(
+    make_peer: PeerFactory,
+) -> None:
+    a = make_peer("a", FakeGroup())
+    train_until_round(a)  # its round ended (alone: quorum 1) but is not merged yet: in flight at exit
+    inner_step(a)
+    a.unit.finish()
+    assert [round.weight for round in a.averager.begun] == [2 * TOKENS_PER_STEP, TOKENS_PER_STEP]
+    assert a.unit.outer_round == 2 and a.unit.state.fragments[0].tokens_since_round == 0
+    assert a.events(Stop)[-1].useful_tokens == 3 * TOKENS_PER_STEP
+
+
 @pytest.mark.parametrize(
     ("others", "waits"),
     [({}, False), ({"b": "finishing"}, True), ({"suspect": "finishing"}, False), ({"b": "training"}, False),

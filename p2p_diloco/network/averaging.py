@@ -285,6 +285,7 @@ class OuterAverager:
                 total_weight=pending.weight,
                 started_at=pending.started_at,
                 finished_at=time.time(),
+                error=error,
                 member_tags=(pending.tag,),
             )
         logger.debug("outer round %d failed (quorum %d not reached): %s", pending.outer_round, self.quorum, error)

@@ -3,7 +3,8 @@
 1. it announces that it is finishing (the units finishing at the same time settle with it);
 2. final rounds hand its last steps to the swarm at the next boundary (bounded by the engine's final-round bound; with
    quorum 1 a round completes alone if nobody joins; a round that does not end in time is dropped and its progress
-   stays in the checkpoint's local parameters);
+   stays in the checkpoint's local parameters); the steps made while a round in flight at exit ran go in one more
+   final round at the boundary after it;
 3. its round averagers shut down (the settle averager takes their place: memory stays flat at exit);
 4. settle rounds average the whole φ with the units leaving at the same time (kinds.py ``Settle``), on a grid of
    shared time that every unit computes alike, until one round held every unit finishing with it with their φ
@@ -31,13 +32,14 @@ from p2p_diloco.rounds.clock import next_boundary
 from p2p_diloco.rounds.engine import RoundEngine
 from p2p_diloco.rounds.kinds import Settle
 from p2p_diloco.rounds.plan import FINAL_ROUND_SLACK_S, RoundPlan
-from p2p_diloco.rounds.results import RoundBegin, RoundEnd
+from p2p_diloco.rounds.results import RoundBegin, RoundEnd, RoundStatus
 
 logger = logging.getLogger(__name__)
 
 Phase = Literal["training", "finishing", "left"]
 """Where a unit is in its life, as its progress record says."""
 SETTLED_DRIFT = 1e-6  # every finishing unit in a settle round, this close already: no more settle rounds
+FINAL_PASSES = 2  # final rounds, then one more for the steps made while a round in flight at exit ran
 
 
 class Census(Protocol):
@@ -81,12 +83,7 @@ class Departure:
         self.census.publish("finishing", wait=True)  # the units finishing at the same time settle with this one
         bound_s = engine.final_round_bound_s(step_time_s)
         logger.info("finishing the last outer rounds (at most %.0f s each; Ctrl+C again to abort)", bound_s)
-        now = self.now()
-        final_boundary = now + engine.window_s(0, step_time_s, now)  # the same for every unit leaving now
-        for begin in engine.begin_final(step_time_s, now):
-            self.observer.began(begin)
-        for end in engine.drain(bound_s):
-            self.observer.ended(end)
+        final_boundary = self._final_rounds(step_time_s, bound_s)
         for averager in (*engine.averagers, *engine.consensus_averagers):
             averager.shutdown()  # of no more use: the settle averager takes their place (memory stays flat at exit)
         settle_averager = self._start_settle_averager()
@@ -96,6 +93,28 @@ class Departure:
             finally:
                 settle_averager.shutdown()
         self.census.publish("left", wait=True)  # the units settling after this one no longer wait for it
+
+    def _final_rounds(self, step_time_s: float | None, bound_s: float) -> float:
+        """Step 2: a final round for every fragment with steps to hand over, then wait for the fragment rounds in flight
+        (each bounded by ``bound_s``). A fragment whose round was in flight at exit hands over the steps it made since
+        in one more final round at the boundary after, if a round merged (FINAL_PASSES). Returns the boundary of the
+        last final rounds begun (the settle rounds come after it)."""
+        engine, boundary = self.engine, self.now()
+        for number in range(FINAL_PASSES):
+            now = self.now()
+            begins = engine.begin_final(step_time_s, now)
+            if number == 0 or begins:
+                boundary = now + engine.window_s(0, step_time_s, now)  # the same for every unit leaving now
+            for begin in begins:
+                self.observer.began(begin)
+            if not engine.in_flight:
+                break
+            ends = engine.drain(bound_s)
+            for end in ends:
+                self.observer.ended(end)
+            if not any(end.merged for end in ends) or any(begin.status is RoundStatus.RESET for begin in begins):
+                break  # a round that failed is not tried again; a RESET leaves nothing finite to hand over
+        return boundary
 
     def _start_settle_averager(self) -> Averager | None:
         """The averager of the settle rounds; None without settle rounds, or when it fails to start (logged: the unit

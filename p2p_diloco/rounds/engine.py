@@ -131,16 +131,16 @@ class RoundEngine:
 
     def begin_final(self, step_time_s: float | None, now: float | None = None) -> list[RoundBegin]:
         """At exit: cancel the mix rounds (they carry no progress, and hold the averagers the final rounds need), then
-        begin every fragment round with steps to hand over and none in flight, whatever the in-flight bound, at the
-        fragment's next boundary (clock schedule) so that units leaving together meet (stops at a RESET: nothing
-        finite to hand over)."""
+        begin every fragment round with tokens to hand over (trained since its last round began) and none in flight,
+        whatever the in-flight bound, at the fragment's next boundary (clock schedule) so that units leaving together
+        meet (stops at a RESET: nothing finite to hand over)."""
         now = time.time() if now is None else now
         self._cancel(RoundKind.MIX)
         results: list[RoundBegin] = []
         busy = self._busy(RoundKind.FRAGMENT)
         for rounds in self.state.fragments:
             number = rounds.fragment.number
-            if number not in busy and rounds.steps_since_round > 0:
+            if number not in busy and rounds.tokens_since_round > 0:
                 window_s = self.schedule.window_s(number, step_time_s, now)
                 results.append(self._begin(Due(RoundId(RoundKind.FRAGMENT, number), window_s)))
                 if results[-1].status is RoundStatus.RESET:
@@ -183,8 +183,8 @@ class RoundEngine:
 
     def drain(self, timeout_s: float) -> list[RoundEnd]:
         """At exit, the one call that waits: cancel the consensus and mix rounds in flight (they carry no progress),
-        then wait up to ``timeout_s`` in all for the fragment rounds in flight and merge those that end; the others
-        are cancelled and carried (results.py)."""
+        then wait up to ``timeout_s`` in all for the fragment rounds in flight and merge those that end (at once: no
+        mix round follows at exit); the others are cancelled and carried (results.py)."""
         self._cancel(RoundKind.CONSENSUS, RoundKind.MIX)
         deadline = time.monotonic() + timeout_s
         ends = []
@@ -197,6 +197,7 @@ class RoundEngine:
                 del self.in_flight[round_id]
                 assert isinstance(flight.sent, SentRound)
                 self.fragment_round.cancel(round_id.fragment, flight.sent)
+        self._cancel(RoundKind.MIX)  # the mix rounds the fragment rounds queued: their held merges are applied
         return ends
 
     def _cancel(self, *kinds: RoundKind) -> None:

@@ -84,6 +84,7 @@ class OuterRound(Event):
     wire_bytes_sent: int | None = None  # when the unit's round advanced: its p2p daemon's TCP counters
     wire_bytes_received: int | None = None
     goodput: float | None = None  # useful compute over the unit's allocated time, after the merge
+    reason: str | None = None  # alone: why no group formed (the averager's error)
 
 
 class OuterRoundFailed(Event):

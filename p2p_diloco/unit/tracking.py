@@ -88,7 +88,7 @@ def round_event(result: RoundBegin | RoundEnd, unit: UnitCounters) -> events.Eve
         outer_round=result.outer_round, unit_outer_round=result.unit_outer_round, group_size=result.group_size,
         overlap_steps=result.overlap_steps, seconds=result.seconds, weight=result.weight,
         member_drift=result.member_drift, useful_compute_s=unit.useful_compute_s, useful_tokens=unit.useful_tokens,
-        goodput=unit.goodput, **unit.wire,
+        goodput=unit.goodput, reason=result.error if result.status is RoundStatus.ALONE else None, **unit.wire,
     )  # fmt: skip
 
 
