@@ -6,20 +6,25 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from p2p_diloco import __version__
+from p2p_diloco.rounds.grid import grid_cell
+from p2p_diloco.rounds.results import RoundBegin, RoundId, RoundKind, RoundStatus
 from p2p_diloco.unit import events
 from p2p_diloco.unit.metrics import MetricsLog
 from p2p_diloco.unit.tracking import (
     RoundLines,
     TensorBoardTracker,
+    UnitCounters,
     UnitReport,
     WandbTracker,
     event_scalars,
+    round_event,
     run_description,
     write_run_file,
 )
@@ -137,3 +142,13 @@ def test_run_file_is_replaced_atomically(tmp_path: Path) -> None:
     write_run_file(tmp_path, {**description, "peer_id": "QmOther"})
     assert json.loads(path.read_text())["peer_id"] == "QmOther"
     assert [child.name for child in tmp_path.iterdir()] == ["run.json"]
+
+
+def test_a_round_begun_on_the_clock_says_where_the_unit_is_in_the_rounds_layout() -> None:
+    cell = grid_cell([f"peer{index}" for index in range(16)], "peer3", "0@1000.000", target=8)
+    begin = RoundBegin(RoundId(RoundKind.FRAGMENT, 0), RoundStatus.BEGUN, 4, window_s=2.0, weight=256, cell=cell)
+    event = round_event(begin, UnitCounters(inner_step=40, outer_round=4, now=1000.0, period_s=8.0))
+    assert isinstance(event, events.OuterRoundBegin)
+    assert (event.census_units, event.row, event.rows, event.place) == (16, cell.row, 2, cell.place)
+    unplaced = round_event(replace(begin, cell=None), UnitCounters(inner_step=40, outer_round=4, now=1000.0))
+    assert isinstance(unplaced, events.OuterRoundBegin) and unplaced.census_units is None

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -162,6 +162,7 @@ class RoundEngine:
         if round_id.kind is RoundKind.FRAGMENT:
             begin, sent = self.fragment_round.begin(number, averager, due.window_s, self.schedule.desired_period_s,
                                                     due.subgroup, due.group_size)  # fmt: skip
+            begin = replace(begin, cell=due.cell) if sent is not None else begin
         else:
             correction = self.corrections[round_id.kind]
             begin, sent = correction.begin(number, averager, due.window_s, due.weight, due.subgroup, due.group_size)

@@ -34,6 +34,7 @@ import enum
 from dataclasses import dataclass
 
 from p2p_diloco.rounds.averager import RoundOutcome
+from p2p_diloco.rounds.grid import GridCell
 
 
 class RoundKind(enum.Enum):
@@ -89,6 +90,7 @@ class RoundBegin(_OfRound):
     outer_round: int  # the fragment's round
     window_s: float = 0.0  # BEGUN: its matchmaking window
     weight: int = 0  # BEGUN fragment round: the tokens it carries
+    cell: GridCell | None = None  # BEGUN fragment round on the clock: the unit's place in the round's layout
 
 
 @dataclass(frozen=True)

@@ -64,6 +64,10 @@ class OuterRoundBegin(Event):
     scheduled_at: float
     weight: int  # tokens since the fragment's last merged round
     period_s: float | None = None  # clock schedule: the unit's round period
+    census_units: int | None = None  # clock schedule: the units of the round's layout (rounds/grid.py), this one's
+    row: int | None = None  # row of ``rows`` in it, and its place in that row (0: it leads the row's matchmaking)
+    rows: int | None = None
+    place: int | None = None
 
 
 class OuterRound(Event):

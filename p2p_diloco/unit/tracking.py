@@ -71,10 +71,13 @@ def round_event(result: RoundBegin | RoundEnd, unit: UnitCounters) -> events.Eve
             return None
         if result.kind is RoundKind.CONSENSUS:
             return events.ConsensusBegin(fragment=result.fragment, inner_step=unit.inner_step)
+        cell = result.cell
+        layout = {} if cell is None else {"census_units": cell.count, "row": cell.row, "rows": cell.rows,
+                                          "place": cell.place}  # fmt: skip
         return events.OuterRoundBegin(fragment=result.fragment, outer_round=result.outer_round,
                                       inner_step=unit.inner_step, window_s=result.window_s,
                                       scheduled_at=unit.now + result.window_s, weight=result.weight,
-                                      period_s=unit.period_s)  # fmt: skip
+                                      period_s=unit.period_s, **layout)  # fmt: skip
     if result.kind is not RoundKind.FRAGMENT:
         return events.ConsensusRound(kind=result.kind.value, fragment=result.fragment, group_size=result.group_size,
                                      applied=result.status is RoundStatus.MERGED, member_drift=result.member_drift,
