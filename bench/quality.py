@@ -35,7 +35,7 @@ from p2p_diloco.diloco import probe_drift
 from p2p_diloco.network.compression import roundtrip
 from p2p_diloco.network.records import PeerProgress, PendingProgress
 from p2p_diloco.network.state_sync import SwarmState
-from p2p_diloco.rounds.averager import RoundOutcome, check_round_request
+from p2p_diloco.rounds.averager import GroupRequest, RoundOutcome, check_round_request
 from p2p_diloco.settings import load_config
 from p2p_diloco.unit.data import TextData, load_text_data, shard_seed
 from p2p_diloco.unit.inner import InnerTrainer
@@ -214,8 +214,7 @@ class LocalAverager:
         probe: Sequence[float] = (),
         tag: str = "",
         period_s: float = 0.0,
-        subgroup: str = "",
-        group_size: int = 0,
+        group: GroupRequest = GroupRequest(),
     ) -> bool:
         check_round_request(self._in_flight, self.shapes, proposal, weight)
         self._in_flight = True

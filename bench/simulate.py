@@ -41,7 +41,7 @@ from bench.scale import percentile
 from p2p_diloco.config import OuterSection
 from p2p_diloco.consensus import pairwise_distances
 from p2p_diloco.diloco import probe_drift, weighted_average
-from p2p_diloco.rounds.averager import RoundOutcome, check_round_request
+from p2p_diloco.rounds.averager import GroupRequest, RoundOutcome, check_round_request
 from p2p_diloco.rounds.engine import RoundEngine
 from p2p_diloco.rounds.plan import RoundPlan
 from p2p_diloco.rounds.results import RoundKind, RoundStatus
@@ -155,14 +155,14 @@ class SimAverager:
         self.sent_bytes = 0.0
 
     def begin_round(self, proposal: Sequence[torch.Tensor], weight: float, outer_round: int, window_s: float,
-                    probe: Sequence[float] = (), tag: str = "", period_s: float = 0.0, subgroup: str = "",
-                    group_size: int = 0) -> bool:  # fmt: skip
+                    probe: Sequence[float] = (), tag: str = "", period_s: float = 0.0,
+                    group: GroupRequest = GroupRequest()) -> bool:  # fmt: skip
         check_round_request(self.in_flight, self.shapes, proposal, weight)
         self.in_flight = True
         entry = _Waiting(self.matchmaker.now + window_s, next(self.matchmaker._order), self,
                          [tensor.clone() for tensor in proposal], float(weight), outer_round, list(probe), period_s,
-                         self.matchmaker.now, group_size)  # fmt: skip
-        self.matchmaker.join(f"{self.key}.0b{subgroup}", entry)
+                         self.matchmaker.now, group.size)  # fmt: skip
+        self.matchmaker.join(f"{self.key}.0b{group.subgroup}", entry)
         return True
 
     def poll(self) -> RoundOutcome | None:

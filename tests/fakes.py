@@ -20,7 +20,7 @@ import torch
 from p2p_diloco.diloco import probe_drift, weighted_average
 from p2p_diloco.network.records import PeerProgress, PendingProgress
 from p2p_diloco.network.state_sync import SwarmState
-from p2p_diloco.rounds.averager import RoundOutcome, check_round_request
+from p2p_diloco.rounds.averager import GroupRequest, RoundOutcome, check_round_request
 
 
 def clone_all(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -40,8 +40,7 @@ class BegunRound:
     tag: str = ""
     failing: bool = False  # the group's FaultPlan fails this round
     period_s: float = 0.0
-    subgroup: str = ""
-    group_size: int = 0  # 0: the group's target
+    group: GroupRequest = GroupRequest()
 
 
 @dataclass
@@ -145,8 +144,7 @@ class FakeAverager:
         probe: Sequence[float] = (),
         tag: str = "",
         period_s: float = 0.0,
-        subgroup: str = "",
-        group_size: int = 0,
+        group: GroupRequest = GroupRequest(),
     ) -> bool:
         check_round_request(self._in_flight, self.shapes, proposal, weight)
         call, self.calls = self.calls, self.calls + 1
@@ -155,7 +153,7 @@ class FakeAverager:
         failing = (self.unit, call) in self.group.faults.failures
         copied = clone_all(proposal)
         begun = BegunRound(copied, float(weight), int(outer_round), window_s, list(probe), time.time(), tag, failing,
-                           period_s, subgroup, group_size)  # fmt: skip
+                           period_s, group)  # fmt: skip
         self.begun.append(begun)
         self._in_flight = True
         self.group._join(self, begun)
@@ -268,10 +266,10 @@ class TimedGroup(FakeGroup):
             if first + self.tolerance_s > now:
                 return
             leader = next(begun for at, begun in self._scheduled.values() if at == first)
-            near = self._scheduled.items()
+            near, key = self._scheduled.items(), leader.group.subgroup
             near_in_time = sorted((at, order, member) for order, (member, (at, begun)) in enumerate(near)
-                                  if at - first <= self.tolerance_s and begun.subgroup == leader.subgroup)  # fmt: skip
-            size = leader.group_size or self.target_size
+                                  if at - first <= self.tolerance_s and begun.group.subgroup == key)  # fmt: skip
+            size = leader.group.size or self.target_size
             together = {member: self._scheduled[member][1] for _, _, member in near_in_time[:size]}
             for member in together:
                 del self._scheduled[member]

@@ -14,18 +14,26 @@ from typing import Any
 import hivemind
 import pytest
 import torch
+from hivemind.averaging.key_manager import GroupKeyManager
+from hivemind.p2p import PeerID
 from swarms import record_peers
 
 from p2p_diloco.network import reducer
 from p2p_diloco.network.averaging import STUCK_MARGIN_S, TENSOR_LOCK_WAIT_S, OuterAverager
 from p2p_diloco.network.dht import stop_dht
-from p2p_diloco.network.gated import GatedAverager
+from p2p_diloco.network.gated import GatedAverager, with_hinted_leaders
 from p2p_diloco.network.membership import MemberGate
 from p2p_diloco.network.reducer import SenderVerdict
 from p2p_diloco.robust import BoundedMean, bounded_mean
-from p2p_diloco.rounds.averager import RoundOutcome
+from p2p_diloco.rounds.averager import GroupRequest, RoundOutcome
+from p2p_diloco.rounds.grid import SPACING_S, Leader
 from p2p_diloco.trust import MAX_OFFENCES, OFFENCE_RELATIVE, OFFENCE_WINDOW
 
+PEERS = (
+    "QmThfFo7CortpE8Toa1uKgQUkjEbTgJKg6GQCr9gcWXAkW",
+    "QmdnYJu9gnaYnhckJnQ1UpA9afhH8MsVAzpPZU2fsiEEEG",
+    "QmYPh3tEtNvEVsgaoWL9rt36L6M3FyygCtRgfmZxGSJE5X",
+)
 STALL_S = 8.0  # longer than the all-reduce timeout of the stalling test (4 s)
 
 
@@ -273,3 +281,41 @@ def test_a_member_is_refused_after_max_offences_in_its_window_and_only_then() ->
     assert not judge.gate.refused("QmRed")
     GatedAverager._judge(judge, {"QmRed": offending})  # type: ignore[arg-type]
     assert judge.gate.refused("QmRed") and not judge.gate.refused("QmMild") and not judge.gate.refused("QmRare")
+
+
+@pytest.mark.swarm
+def test_a_leader_the_layout_names_is_asked_even_when_the_dht_does_not_show_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With no averager declared in the DHT (as when lookups on a loaded swarm return too late), two units meet only
+    because the follower asks the leader its layout names (rounds/grid.py ``row_leaders``) at once."""
+
+    async def declare_nothing(*_args: Any, **_kwargs: Any) -> bool:
+        return True
+
+    monkeypatch.setattr(GroupKeyManager, "declare_averager", declare_nothing)  # before the averager processes fork
+    leader_dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    follower_dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"],
+                                initial_peers=leader_dht.get_visible_maddrs())  # fmt: skip
+    averagers = [OuterAverager(dht, "hinted", [torch.zeros(8)], quorum=1, target_group_size=2, allreduce_timeout_s=5)
+                 for dht in (leader_dht, follower_dht)]  # fmt: skip
+    leader, follower = averagers
+    try:
+        for hinted in ((), (Leader(leader_dht.peer_id.to_base58(), -SPACING_S),)):
+            leader_at = time.time() + 2.0
+            assert leader.begin_round([torch.zeros(8)], weight=1.0, outer_round=0, window_s=2.0)
+            assert follower.begin_round([torch.ones(8)], weight=1.0, outer_round=0, group=GroupRequest(leaders=hinted),
+                                        window_s=leader_at + SPACING_S - time.time())  # fmt: skip
+            outcomes = [averager.finish_round(timeout_s=15) for averager in averagers]
+            assert all(outcome is not None for outcome in outcomes)
+            sizes = [outcome.group_size for outcome in outcomes if outcome is not None]
+            assert sizes == ([2, 2] if hinted else [1, 1]), (hinted, outcomes)
+    finally:
+        for averager in averagers:
+            averager.shutdown()
+        stop_dht(follower_dht)
+        stop_dht(leader_dht)
+
+
+def test_hinted_leaders_add_to_what_the_dht_shows() -> None:
+    first, second, third = (PeerID.from_base58(peer) for peer in PEERS)
+    assert with_hinted_leaders([(first, 10.0)], [(first, 9.0), (second, 9.5)]) == [(first, 10.0), (second, 9.5)]
+    assert with_hinted_leaders([], [(third, 1.0)]) == [(third, 1.0)]

@@ -138,3 +138,26 @@ def test_a_unit_that_missed_a_round_is_back_on_the_swarm_phi_within_one_period()
     missed = [at for at in apart if at > checks[0][0]]
     assert missed and 14.0 < min(missed) and max(missed) < 14.0 + 4.0 + 1.0, "apart for at most one period"
     assert back[0][0] < 14.0 + 4.0 + 1.0 and all(same for _, same in back) and len(back) >= 8
+
+
+@pytest.mark.parametrize(("count", "target"), [(4, 8), (8, 3), (16, 8), (23, 5)])
+def test_a_unit_asks_the_units_scheduled_before_it_in_its_row_and_column_to_lead(count: int, target: int) -> None:
+    """Its row's leaders are the units at earlier places of its row, earliest first, each as many spacings earlier as
+    its place is; its column's are the units of its column in earlier rows, as many spacings earlier as their row."""
+    cells = layout(count, target)
+    for cell in cells.values():
+        row_mates = sorted((c.place, p) for p, c in cells.items() if c.row == cell.row and c.place < cell.place)
+        assert [leader.peer_id for leader in cell.row_leaders] == [p for _, p in row_mates]
+        assert all(leader.offset_s == pytest.approx((cells[leader.peer_id].place - cell.place) * SPACING_S)
+                   for leader in cell.row_leaders)  # fmt: skip
+        column_mates = {
+            p for p, c in cells.items() if c.columns and c.column_bits == cell.column_bits and c.row < cell.row
+        }
+        assert {leader.peer_id for leader in cell.column_leaders} == column_mates
+        assert [cells[leader.peer_id].row for leader in cell.column_leaders] == sorted(
+            cells[p].row for p in column_mates
+        )
+        assert all(leader.offset_s == pytest.approx((cells[leader.peer_id].row - cell.row) * SPACING_S)
+                   for leader in cell.column_leaders)  # fmt: skip
+    leaders = [cell for cell in cells.values() if cell.place == 0]
+    assert all(not cell.row_leaders for cell in leaders) and len(leaders) == leaders[0].rows

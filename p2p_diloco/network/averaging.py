@@ -51,7 +51,7 @@ from p2p_diloco.diloco import probe_drift
 from p2p_diloco.network.gated import GatedAverager
 from p2p_diloco.network.members import MemberInfo, read_member
 from p2p_diloco.network.membership import MemberGate
-from p2p_diloco.rounds.averager import RoundOutcome, check_round_request
+from p2p_diloco.rounds.averager import GroupRequest, RoundOutcome, check_round_request
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +125,7 @@ class OuterAverager:
         self._last_lock_warning = -math.inf
         self._lock_busy_since: float | None = None
         self._subgroup_dirty = False  # the averager's group bits may differ from "" (set for a subgroup round)
+        self._leaders_hinted = False  # the averager process holds leaders of the last round (set_leaders)
 
     def begin_round(
         self,
@@ -135,17 +136,17 @@ class OuterAverager:
         probe: Sequence[float] = (),
         tag: str = "",
         period_s: float = 0.0,
-        subgroup: str = "",
-        group_size: int = 0,
+        group: GroupRequest = GroupRequest(),
     ) -> bool:
         """Start averaging ``proposal`` (weighted by ``weight`` > 0) in the background; returns at once.
 
         ``probe`` (see ``diloco.consensus_probe``) is shared with the group to measure how far apart the
         members' global parameters were; ``tag`` too, so that members can check they averaged the same thing;
-        ``period_s`` too (the clock schedule's agreement on a period). ``subgroup`` (bits) selects hivemind's group
-        key ``prefix.0b<subgroup>``: only units of the same subgroup meet. hivemind rewrites non-empty group bits
-        after every group it assembles, so they are set again before every round. ``group_size`` (0: the target
-        size given at construction) caps the group (GatedAverager ``set_group_size``).
+        ``period_s`` too (the clock schedule's agreement on a period). ``group.subgroup`` (bits) selects hivemind's
+        group key ``prefix.0b<subgroup>``: only units of the same subgroup meet. hivemind rewrites non-empty group
+        bits after every group it assembles, so they are set again before every round. ``group.size`` (0: the target
+        size given at construction) caps the group (GatedAverager ``set_group_size``); ``group.leaders`` are asked
+        to lead first (GatedAverager ``set_leaders``).
 
         Returns False, having started nothing, when the averager process holds its tensors (see
         :meth:`_tensors_free`): the caller tries again later instead of blocking its inner loop. Raises RuntimeError
@@ -160,14 +161,17 @@ class OuterAverager:
         with self._averager.get_tensors() as buffers:
             for buffer, tensor in zip(buffers, proposal):
                 buffer.copy_(tensor.detach())
-        if subgroup or self._subgroup_dirty:
-            self._averager.set_group_bits(subgroup)
-            self._subgroup_dirty = bool(subgroup)
+        if group.subgroup or self._subgroup_dirty:
+            self._averager.set_group_bits(group.subgroup)
+            self._subgroup_dirty = bool(group.subgroup)
         # a group that reaches its size starts at once, before hivemind checks min_group_size: never below the quorum
-        size = max(group_size, self.quorum, 2) if group_size else self._target_size
+        size = max(group.size, self.quorum, 2) if group.size else self._target_size
         if size != self._group_size:
             self._averager.set_group_size(size)
             self._group_size = size
+        if group.leaders or self._leaders_hinted:  # they schedule at the boundary plus their offsets, as this unit
+            self._averager.set_leaders([(leader.peer_id, now + window_s + leader.offset_s) for leader in group.leaders])
+            self._leaders_hinted = bool(group.leaders)
         gather = dict(outer_round=int(outer_round), weight=float(weight), probe=list(probe), tag=str(tag),
                       period=float(period_s))  # fmt: skip
         reach_s = window_s * (CLIENT_REACH if self._averager.client_mode else 1)
@@ -220,7 +224,7 @@ class OuterAverager:
         self._averager.shutdown()
         self._averager = self._start_averager()
         self._lock_busy_since = None
-        self._subgroup_dirty = False
+        self._subgroup_dirty = self._leaders_hinted = False
 
     def poll(self) -> RoundOutcome | None:
         """The outcome of the round in flight once it ended, else None. Never raises for network failures."""

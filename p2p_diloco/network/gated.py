@@ -53,7 +53,10 @@ class GatedAverager(hivemind.DecentralizedAverager):
 
     hivemind fixes a group's size at construction; :meth:`set_group_size` changes it between rounds (the clock
     schedule's rows and columns have sizes of their own: rounds/grid.py), through the same pipe to the averager
-    process as hivemind's own ``set_group_bits``; call it once after the start.
+    process as hivemind's own ``set_group_bits``; call it once after the start. hivemind finds potential leaders
+    only through DHT lookups of the group key, which a loaded swarm answered too late (16 units on one machine: rows'
+    members that asked nobody ended alone); :meth:`set_leaders` names the units the layout expects to lead, asked at
+    once.
     """
 
     _rpc_handlers = None  # hivemind caches RPC handlers per class: a subclass must collect its own
@@ -61,6 +64,8 @@ class GatedAverager(hivemind.DecentralizedAverager):
 
     def __init__(self, *args: Any, gate: MemberGate, **kwargs: Any) -> None:
         self.gate = gate
+        self._hinted: list[tuple[PeerID, float]] = []  # the leaders set_leaders hinted (averager process)
+        self._hints_unread = False  # no lookup of the round returned them yet
         self._refusals_logged: dict[tuple[str, str], float] = {}
         self._offences: dict[str, deque[bool]] = {}
         super().__init__(*args, **kwargs)
@@ -79,6 +84,37 @@ class GatedAverager(hivemind.DecentralizedAverager):
         # least (else it raises, and the round fails): a leader may assemble more units than this one expected
         matchmaking.group_key_manager.target_group_size = KEY_BUCKETS
         future.set_result(None)
+
+    def set_leaders(self, leaders: Sequence[tuple[str, float]]) -> None:
+        """The next round asks these units (peer id, the expiration they declare) to lead before its DHT lookups show
+        them, earliest first; returns once the averager process took them. Empty: the DHT alone, as in hivemind."""
+        future: MPFuture = MPFuture()
+        self._outer_pipe.send(("_set_leaders", [], dict(leaders=list(leaders), future=future)))
+        future.result()
+
+    async def _set_leaders(self, leaders: list[tuple[str, float]], future: MPFuture) -> None:
+        self._hinted = [(PeerID.from_base58(peer_id), expiration) for peer_id, expiration in leaders]
+        self._hints_unread = bool(self._hinted)
+        self._look_up_hinted_leaders()
+        future.set_result(None)
+
+    def _look_up_hinted_leaders(self) -> None:
+        """Wrap the key manager's lookup of the averagers declared under a group key (the one source of hivemind's
+        potential leaders; it has no hook for others): a round's first lookup returns the hinted leaders at once,
+        later ones what the DHT shows plus the hinted leaders it does not show (with_hinted_leaders)."""
+        key_manager = self._matchmaking.group_key_manager
+        if getattr(key_manager, "hints_leaders", False):
+            return
+        get_averagers = key_manager.get_averagers
+
+        async def get_averagers_and_hinted(group_key: str, only_active: bool) -> list[tuple[PeerID, float]]:
+            if self._hints_unread:
+                self._hints_unread = False
+                return list(self._hinted)
+            return with_hinted_leaders(await get_averagers(group_key, only_active), self._hinted)
+
+        key_manager.get_averagers = get_averagers_and_hinted
+        key_manager.hints_leaders = True
 
     async def _refuses(self, peer_id: PeerID, what: str) -> bool:
         """Whether to refuse ``peer_id``; a refusal is logged once per REFUSAL_LOG_EVERY_S for each peer and kind."""
@@ -186,3 +222,11 @@ class GatedAverager(hivemind.DecentralizedAverager):
         this averager: in a pair the bounded mean is the plain mean (nothing tells which member lies), so such a
         member's part would not be bounded at all."""
         return len(others) == 1 and any(self._offences.get(str(others[0]), ()))
+
+
+def with_hinted_leaders(
+    found: list[tuple[PeerID, float]], hinted: Sequence[tuple[PeerID, float]]
+) -> list[tuple[PeerID, float]]:
+    """The averagers a DHT lookup ``found`` (peer, declared expiration) and the ``hinted`` leaders it did not find."""
+    shown = {peer for peer, _ in found}
+    return [*found, *[(peer, expiration) for peer, expiration in hinted if peer not in shown]]

@@ -10,6 +10,8 @@ from typing import Protocol
 
 import torch
 
+from p2p_diloco.rounds.grid import Leader
+
 
 @dataclass(frozen=True)
 class RoundOutcome:
@@ -38,6 +40,17 @@ class RoundOutcome:
         return 2 * sum(tag == own for tag in self.member_tags) > len(self.member_tags)
 
 
+@dataclass(frozen=True)
+class GroupRequest:
+    """The group a round asks for: hivemind's group key ``prefix.0b<subgroup>`` (only units of the same subgroup
+    meet), at most ``size`` members (0: the averager's target; a group that reaches it starts at once), and the units
+    expected to lead it, asked in that order before hivemind's DHT lookup shows anyone (grid.py ``Leader``)."""
+
+    subgroup: str = ""
+    size: int = 0
+    leaders: tuple[Leader, ...] = ()
+
+
 class Averager(Protocol):
     """The network seam of a unit's outer rounds, as the round engine uses it. One round at a time; nothing here may
     block the inner loop (but :meth:`finish_round`, bounded, at exit)."""
@@ -51,12 +64,10 @@ class Averager(Protocol):
         probe: Sequence[float] = (),
         tag: str = "",
         period_s: float = 0.0,
-        subgroup: str = "",
-        group_size: int = 0,
+        group: GroupRequest = GroupRequest(),
     ) -> bool:
-        """Start averaging ``proposal`` with whichever units meet within ``window_s`` under the same ``subgroup`` (a
-        string of bits: hivemind's group key), in a group of at most ``group_size`` (0: the averager's target; a group
-        that reaches it starts at once); False when it cannot be taken now (nothing started). ``probe``,
+        """Start averaging ``proposal`` with whichever units of ``group`` meet within ``window_s``; False when it
+        cannot be taken now (nothing started). ``probe``,
         ``tag`` and ``period_s`` are shared with the group. Raises RuntimeError with a round in flight, ValueError
         for a malformed request."""
         ...

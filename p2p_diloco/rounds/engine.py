@@ -161,11 +161,11 @@ class RoundEngine:
         sent: SentRound | list[torch.Tensor] | None
         if round_id.kind is RoundKind.FRAGMENT:
             begin, sent = self.fragment_round.begin(number, averager, due.window_s, self.schedule.desired_period_s,
-                                                    due.subgroup, due.group_size)  # fmt: skip
+                                                    due.group)  # fmt: skip
             begin = replace(begin, cell=due.cell) if sent is not None else begin
         else:
             correction = self.corrections[round_id.kind]
-            begin, sent = correction.begin(number, averager, due.window_s, due.weight, due.subgroup, due.group_size)
+            begin, sent = correction.begin(number, averager, due.window_s, due.weight, due.group)
         if sent is not None:
             self.in_flight[round_id] = InFlight(averager, sent)
             if round_id.kind is RoundKind.CONSENSUS:

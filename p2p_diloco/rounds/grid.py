@@ -9,7 +9,9 @@ round's ``salt`` (its fragment and boundary, the same for every unit at that bou
 * stage 1, the fragment round: a row meets under its own group key (hivemind's group bits), so only its members
   compete in its matchmaking, and the row's first unit in the order leads it (it schedules the round first; the
   others one ``SPACING_S`` apart, in order, so every member asks the same leader first and the next one leads if
-  it is absent);
+  it is absent). A unit asks the units before it in its row to lead at once, without waiting for hivemind's DHT
+  lookup to show them (``row_leaders``): with 16 units on one machine, members whose lookup did not return before
+  the boundary asked nobody and ended the round alone;
 * stage 2, the mix round (clock.py, half a period later): C = N // R columns (the smallest row's size); the unit at
   place p of its row joins column p mod C, carrying its row's total weight divided by k, the number of its row's
   units in that column. Every column then holds every row's mean exactly once in weight, so every unit ends the
@@ -32,6 +34,15 @@ SPACING_S = 0.05  # between the scheduled times of consecutive units of one grou
 
 
 @dataclass(frozen=True)
+class Leader:
+    """A unit expected to lead a group this unit joins, and when it schedules its round, relative to this unit
+    (seconds, at most 0)."""
+
+    peer_id: str
+    offset_s: float
+
+
+@dataclass(frozen=True)
 class GridCell:
     """One unit's place in a round's layout (see the module docstring)."""
 
@@ -42,6 +53,7 @@ class GridCell:
     row_size: int
     columns: int  # C (0 with one row: no stage 2)
     column_share: float  # 1 / k: what part of its row's weight the unit carries into its column
+    members: tuple[str, ...] = ()  # the layout's units in the round's order (unit i: row i mod R, place i // R)
 
     @property
     def row_bits(self) -> str:
@@ -64,6 +76,24 @@ class GridCell:
             return self.row_size
         sizes = [len(range(row, self.count, self.rows)) for row in range(self.rows)]
         return sum(len(range(self.column, size, self.columns)) for size in sizes)
+
+    @property
+    def row_leaders(self) -> tuple[Leader, ...]:
+        """The units of this unit's row scheduled before it (earlier places), earliest first: those it asks to lead
+        its stage-1 round, in that order."""
+        row = self.members[self.row :: self.rows]
+        return tuple(Leader(peer, (place - self.place) * SPACING_S) for place, peer in enumerate(row[: self.place]))
+
+    @property
+    def column_leaders(self) -> tuple[Leader, ...]:
+        """The units of this unit's column in earlier rows, earliest first (stage 2; units of one row in one column
+        schedule together, and hivemind orders them by peer id)."""
+        if not self.columns:
+            return ()
+        earlier = [(row, place) for row in range(self.row) for place in range(self.column, len(range(row, self.count,
+                   self.rows)), self.columns)]  # fmt: skip
+        return tuple(Leader(self.members[row + place * self.rows], (row - self.row) * SPACING_S)
+                     for row, place in earlier)  # fmt: skip
 
     @property
     def row_offset_s(self) -> float:
@@ -89,7 +119,7 @@ def grid_cell(census: Iterable[str], peer_id: str, salt: str, target: int) -> Gr
     row_size = len(range(row, count, rows))
     columns = count // rows if rows > 1 else 0
     in_column = len(range(place % columns, row_size, columns)) if columns else 1
-    return GridCell(count, rows, row, place, row_size, columns, 1.0 / in_column)
+    return GridCell(count, rows, row, place, row_size, columns, 1.0 / in_column, tuple(members))
 
 
 def _bits(value: int, count: int) -> str:

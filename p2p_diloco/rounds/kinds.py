@@ -17,7 +17,7 @@ import torch
 
 from p2p_diloco.diloco import all_finite, distance
 from p2p_diloco.fragments import Fragment, assign, copies
-from p2p_diloco.rounds.averager import Averager, RoundOutcome
+from p2p_diloco.rounds.averager import Averager, GroupRequest, RoundOutcome
 from p2p_diloco.rounds.results import MERGES, RoundBegin, RoundEnd, RoundId, RoundKind, RoundStatus
 from p2p_diloco.rounds.state import HeldMerge, OuterState
 from p2p_diloco.streaming import SentRound, flatten_pieces, unflatten_pieces
@@ -37,9 +37,9 @@ class FragmentRound:
         self.state = state
 
     def begin(
-        self, number: int, averager: Averager, window_s: float, period_s: float, subgroup: str = "", group_size: int = 0
+        self, number: int, averager: Averager, window_s: float, period_s: float, group: GroupRequest = GroupRequest()
     ) -> tuple[RoundBegin, SentRound | None]:
-        """Hand fragment ``number``'s payload to ``averager`` (in ``subgroup``, a group of at most ``group_size``):
+        """Hand fragment ``number``'s payload to ``averager`` (asking for ``group``):
         BEGUN (with what was sent), DEFERRED (the averager could not take it) or RESET (θ was non-finite: θ ← φ, every
         fragment starts over)."""
         state, plan = self.state, self.state.plan
@@ -57,8 +57,7 @@ class FragmentRound:
         weight = max(1, rounds.tokens_since_round)
         begun = averager.begin_round(
             payload, weight=weight, outer_round=rounds.outer_round, window_s=window_s,
-            probe=state.probe(rounds.fragment), tag=f"fragment {number}", period_s=period_s, subgroup=subgroup,
-            group_size=group_size,
+            probe=state.probe(rounds.fragment), tag=f"fragment {number}", period_s=period_s, group=group,
         )  # fmt: skip
         if not begun:
             return RoundBegin(round_id, RoundStatus.DEFERRED, rounds.outer_round), None
@@ -143,16 +142,16 @@ class CorrectionRound:
         """The outer rounds a result of this round reports: the fragment's and the unit's."""
         return self.state.fragments[number].outer_round, self.state.outer_round
 
-    def begin(self, number: int, averager: Averager, window_s: float, weight: float = 1.0, subgroup: str = "",
-              group_size: int = 0) -> tuple[RoundBegin, Tensors | None]:  # fmt: skip
-        """Hand the payload to ``averager`` (in ``subgroup``, a group of at most ``group_size``): BEGUN (with what was
+    def begin(self, number: int, averager: Averager, window_s: float, weight: float = 1.0,
+              group: GroupRequest = GroupRequest()) -> tuple[RoundBegin, Tensors | None]:  # fmt: skip
+        """Hand the payload to ``averager`` (asking for ``group``): BEGUN (with what was
         sent) or DEFERRED."""
         payload = self.payload(number)
         outer_round = self.rounds(number)[0]
         round_id = RoundId(self.kind, number)
         begun = averager.begin_round(payload, weight=weight, outer_round=outer_round, window_s=window_s,
                                      probe=self.state.probe(self.fragment(number)), tag=self.tag(number),
-                                     subgroup=subgroup, group_size=group_size)  # fmt: skip
+                                     group=group)  # fmt: skip
         if not begun:
             return RoundBegin(round_id, RoundStatus.DEFERRED, outer_round), None
         return RoundBegin(round_id, RoundStatus.BEGUN, outer_round, window_s), payload

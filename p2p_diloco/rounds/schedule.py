@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from p2p_diloco.fragments import due_fragments
-from p2p_diloco.rounds.averager import RoundOutcome
+from p2p_diloco.rounds.averager import GroupRequest, RoundOutcome
 from p2p_diloco.rounds.clock import LATE_S, RoundClock
 from p2p_diloco.rounds.grid import GridCell, grid_cell
 from p2p_diloco.rounds.plan import FINAL_ROUND_SLACK_S, RoundPlan
@@ -37,17 +37,15 @@ BUSY_DECAY = 0.1  # how fast the measured busy time of a round comes down again
 
 @dataclass(frozen=True)
 class Due:
-    """A round to begin now: with matchmaking window ``window_s``, for ``boundary``, in ``subgroup``, at ``cell`` of
-    the round's layout (a fragment round on the clock) and carrying ``weight`` (a mix round), in a group of at most
-    ``group_size`` (0: the plan's target)."""
+    """A round to begin now: with matchmaking window ``window_s``, for ``boundary``, asking for ``group``, at ``cell``
+    of the round's layout (a fragment round on the clock) and carrying ``weight`` (a mix round)."""
 
     id: RoundId
     window_s: float
     boundary: float = 0.0
-    subgroup: str = ""
+    group: GroupRequest = GroupRequest()
     weight: float = 0.0
     cell: GridCell | None = None
-    group_size: int = 0
 
 
 class Schedule(Protocol):
@@ -135,14 +133,12 @@ class StepSchedule:
 
 @dataclass(frozen=True)
 class MixDue:
-    """A fragment's mix round to begin: at ``boundary`` plus ``offset_s``, in ``subgroup`` of ``group_size`` units,
-    carrying ``weight``."""
+    """A fragment's mix round to begin: at ``boundary`` plus ``offset_s``, asking for ``group``, carrying ``weight``."""
 
     boundary: float
-    subgroup: str
+    group: GroupRequest
     weight: float
     offset_s: float
-    group_size: int
 
 
 class ClockSchedule(StepSchedule):
@@ -174,8 +170,8 @@ class ClockSchedule(StepSchedule):
             if step_time_s is None or window_s < LATE_S:
                 del self.mix_due[number]
             elif number not in busy and window_s <= self.clock.lead_s(step_time_s):
-                dues.append(Due(RoundId(RoundKind.MIX, number), window_s + due.offset_s, due.boundary, due.subgroup,
-                                due.weight, group_size=due.group_size))  # fmt: skip
+                dues.append(Due(RoundId(RoundKind.MIX, number), window_s + due.offset_s, due.boundary, due.group,
+                                due.weight))  # fmt: skip
         return dues
 
     def fragments_due(self, fragments: list[FragmentRounds], busy: set[int], free: int, step_time_s: float | None,
@@ -202,7 +198,8 @@ class ClockSchedule(StepSchedule):
                 self.mix_due.pop(number, None)  # a mix not begun by the next round is stale
                 cell = grid_cell(census, self.peer_id, f"{number}@{boundary:.3f}", target)
                 window = boundary - now + cell.row_offset_s
-                dues.append(Due(RoundId(RoundKind.FRAGMENT, number), window, boundary, cell.row_bits, cell=cell))
+                group = GroupRequest(cell.row_bits, leaders=cell.row_leaders)
+                dues.append(Due(RoundId(RoundKind.FRAGMENT, number), window, boundary, group, cell=cell))
         return dues
 
     def began(self, due: Due) -> None:
@@ -223,8 +220,8 @@ class ClockSchedule(StepSchedule):
         if self.plan.mixes and cell is not None and cell.rows > 1 and math.isfinite(self.last_boundary[number]):
             half, weight = self.clock.period_s / 2, max(merged.total_weight, 1.0) * cell.column_share
             size = max(cell.column_size, self.plan.group.target_size)  # room for units the census missed, as in rows
-            self.mix_due[number] = MixDue(self.last_boundary[number] + half, cell.column_bits, weight,
-                                          cell.column_offset_s, size)  # fmt: skip
+            group = GroupRequest(cell.column_bits, size, cell.column_leaders)
+            self.mix_due[number] = MixDue(self.last_boundary[number] + half, group, weight, cell.column_offset_s)
 
     def forget_mixes(self) -> None:
         self.mix_due.clear()
