@@ -243,10 +243,10 @@ class FakeRecords:
 class TimedGroup(FakeGroup):
     """Members meet when they scheduled their rounds for the same moment of the test's clock (within ``tolerance_s``)
     and in the same subgroup, as units do at a boundary of the clock schedule. Set :attr:`now` before members begin
-    rounds (a round is scheduled at ``now + window_s``); :meth:`advance` ends the rounds scheduled ``tolerance_s``
-    before it or earlier, each with the members scheduled within ``tolerance_s`` of it, or alone (a group of one
-    averages its own proposal, as with quorum 1); at most ``target_size`` members per group, earliest scheduled
-    first."""
+    rounds (a round is scheduled at its group request's ``scheduled_at``, else ``now + window_s``); :meth:`advance`
+    ends the rounds scheduled ``tolerance_s`` before it or earlier, each with the members scheduled within
+    ``tolerance_s`` of it, or alone (a group of one averages its own proposal, as with quorum 1); at most
+    ``target_size`` members per group, earliest scheduled first."""
 
     def __init__(self, tolerance_s: float = 0.5, target_size: int | None = None):
         super().__init__()
@@ -254,7 +254,7 @@ class TimedGroup(FakeGroup):
         self._scheduled: dict[FakeAverager, tuple[float, BegunRound]] = {}
 
     def _join(self, member: FakeAverager, begun: BegunRound) -> None:
-        self._scheduled[member] = (self.now + begun.window_s, begun)
+        self._scheduled[member] = (begun.group.scheduled_at or self.now + begun.window_s, begun)
 
     def _leave(self, member: FakeAverager) -> None:
         self._scheduled.pop(member, None)

@@ -169,12 +169,15 @@ class OuterAverager:
         if size != self._group_size:
             self._averager.set_group_size(size)
             self._group_size = size
-        if group.leaders or self._leaders_hinted:  # they schedule at the boundary plus their offsets, as this unit
-            self._averager.set_leaders([(leader.peer_id, now + window_s + leader.offset_s) for leader in group.leaders])
+        scheduled = max(group.scheduled_at, now) if group.scheduled_at else now + window_s
+        if group.leaders or self._leaders_hinted:  # they schedule at the same time plus their offsets
+            self._averager.set_leaders([(leader.peer_id, scheduled + leader.offset_s) for leader in group.leaders])
             self._leaders_hinted = bool(group.leaders)
         gather = dict(outer_round=int(outer_round), weight=float(weight), probe=list(probe), tag=str(tag),
                       period=float(period_s))  # fmt: skip
-        reach_s = window_s * (CLIENT_REACH if self._averager.client_mode else 1)
+        reach_s = scheduled - now
+        if self._averager.client_mode:
+            reach_s += (CLIENT_REACH - 1) * window_s
         control = self._averager.step(
             weight=float(weight),
             gather=gather,

@@ -43,12 +43,15 @@ class RoundOutcome:
 @dataclass(frozen=True)
 class GroupRequest:
     """The group a round asks for: hivemind's group key ``prefix.0b<subgroup>`` (only units of the same subgroup
-    meet), at most ``size`` members (0: the averager's target; a group that reaches it starts at once), and the units
-    expected to lead it, asked in that order before hivemind's DHT lookup shows anyone (grid.py ``Leader``)."""
+    meet), at most ``size`` members (0: the averager's target; a group that reaches it starts at once), the units
+    expected to lead it, asked in that order before hivemind's DHT lookup shows anyone (grid.py ``Leader``), and when
+    its all-reduce is scheduled on the shared clock (0: the window from the call; a layout's order of leaders holds
+    only if every unit schedules at its boundary and offset exactly, however long it took to begin the round)."""
 
     subgroup: str = ""
     size: int = 0
     leaders: tuple[Leader, ...] = ()
+    scheduled_at: float = 0.0
 
 
 class Averager(Protocol):

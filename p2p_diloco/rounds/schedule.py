@@ -198,7 +198,7 @@ class ClockSchedule(StepSchedule):
                 self.mix_due.pop(number, None)  # a mix not begun by the next round is stale
                 cell = grid_cell(census, self.peer_id, f"{number}@{boundary:.3f}", target)
                 window = boundary - now + cell.row_offset_s
-                group = GroupRequest(cell.row_bits, leaders=cell.row_leaders)
+                group = GroupRequest(cell.row_bits, leaders=cell.row_leaders, scheduled_at=boundary + cell.row_offset_s)
                 dues.append(Due(RoundId(RoundKind.FRAGMENT, number), window, boundary, group, cell=cell))
         return dues
 
@@ -220,8 +220,9 @@ class ClockSchedule(StepSchedule):
         if self.plan.mixes and cell is not None and cell.rows > 1 and math.isfinite(self.last_boundary[number]):
             half, weight = self.clock.period_s / 2, max(merged.total_weight, 1.0) * cell.column_share
             size = max(cell.column_size, self.plan.group.target_size)  # room for units the census missed, as in rows
-            group = GroupRequest(cell.column_bits, size, cell.column_leaders)
-            self.mix_due[number] = MixDue(self.last_boundary[number] + half, group, weight, cell.column_offset_s)
+            boundary = self.last_boundary[number] + half
+            group = GroupRequest(cell.column_bits, size, cell.column_leaders, boundary + cell.column_offset_s)
+            self.mix_due[number] = MixDue(boundary, group, weight, cell.column_offset_s)
 
     def forget_mixes(self) -> None:
         self.mix_due.clear()
