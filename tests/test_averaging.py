@@ -286,8 +286,9 @@ def test_a_member_is_refused_after_max_offences_in_its_window_and_only_then() ->
 @pytest.mark.swarm
 def test_a_leader_the_layout_names_is_asked_even_when_the_dht_does_not_show_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """With no averager declared in the DHT (as when lookups on a loaded swarm return too late), two units meet only
-    because the follower asks the leader its layout names (rounds/grid.py ``row_leaders``) at once; the follower
-    schedules at the time its group request names, not a window from its call."""
+    because the follower asks the leader its layout names (rounds/grid.py ``row_leaders``) at once, and again when
+    it asked before the leader began; the follower schedules at the time its group request names, not a window from
+    its call."""
 
     async def declare_nothing(*_args: Any, **_kwargs: Any) -> bool:
         return True
@@ -300,11 +301,16 @@ def test_a_leader_the_layout_names_is_asked_even_when_the_dht_does_not_show_it(m
                  for dht in (leader_dht, follower_dht)]  # fmt: skip
     leader, follower = averagers
     try:
-        for hinted in ((), (Leader(leader_dht.peer_id.to_base58(), -SPACING_S),)):
-            leader_at = time.time() + 2.0
-            assert leader.begin_round([torch.zeros(8)], weight=1.0, outer_round=0, window_s=2.0)
+        hint = (Leader(leader_dht.peer_id.to_base58(), -SPACING_S),)
+        for hinted, follower_first in (((), False), (hint, False), (hint, True)):
+            leader_at = time.time() + 2.5
             group = GroupRequest(leaders=hinted, scheduled_at=leader_at + SPACING_S)  # its window: until then
-            assert follower.begin_round([torch.ones(8)], weight=1.0, outer_round=0, window_s=60.0, group=group)
+            if follower_first:  # asked before it began, the leader turns the follower down: it is asked again
+                assert follower.begin_round([torch.ones(8)], weight=1.0, outer_round=0, window_s=60.0, group=group)
+                time.sleep(0.5)
+            assert leader.begin_round([torch.zeros(8)], weight=1.0, outer_round=0, window_s=leader_at - time.time())
+            if not follower_first:
+                assert follower.begin_round([torch.ones(8)], weight=1.0, outer_round=0, window_s=60.0, group=group)
             outcomes = [averager.finish_round(timeout_s=15) for averager in averagers]
             assert all(outcome is not None for outcome in outcomes)
             sizes = [outcome.group_size for outcome in outcomes if outcome is not None]

@@ -101,7 +101,10 @@ class GatedAverager(hivemind.DecentralizedAverager):
     def _look_up_hinted_leaders(self) -> None:
         """Wrap the key manager's lookup of the averagers declared under a group key (the one source of hivemind's
         potential leaders; it has no hook for others): a round's first lookup returns the hinted leaders at once,
-        later ones what the DHT shows plus the hinted leaders it does not show (with_hinted_leaders)."""
+        later ones what the DHT shows plus the hinted leaders it does not show (with_hinted_leaders). A hinted leader
+        that turned this unit down is asked again after the next lookup (:meth:`_ask_only_members_to_lead`): units
+        begin their rounds in any order, and one asked before it began answers NOT_LOOKING_FOR_GROUP, after which
+        hivemind never asks it again that round (16 units: such followers ended their rounds alone)."""
         key_manager = self._matchmaking.group_key_manager
         if getattr(key_manager, "hints_leaders", False):
             return
@@ -138,7 +141,12 @@ class GatedAverager(hivemind.DecentralizedAverager):
         request_join_group = matchmaking._request_join_group
 
         async def request_join_group_of_a_member(leader: PeerID) -> GroupInfo | None:
-            return None if await self._refuses(leader, "a lead") else await request_join_group(leader)
+            group = None if await self._refuses(leader, "a lead") else await request_join_group(leader)
+            if group is None:  # a hinted leader may not have begun its round yet: asked again after the next lookup
+                matchmaking.potential_leaders.past_attempts.difference_update(
+                    attempt for attempt in self._hinted if attempt[0] == leader
+                )
+            return group
 
         matchmaking._request_join_group = request_join_group_of_a_member
         matchmaking.asks_members_only = True
