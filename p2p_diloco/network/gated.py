@@ -6,6 +6,7 @@ takes part only with members of the run and combines each slice it reduces with 
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
@@ -30,6 +31,7 @@ from p2p_diloco.trust import MAX_OFFENCES, OFFENCE_WINDOW
 logger = logging.getLogger(__name__)
 
 REFUSAL_LOG_EVERY_S = 60.0
+HINT_RETRY_S = 0.2  # a hinted leader that turned a unit down is asked again this much later
 KEY_BUCKETS = 1 << 12  # more than any group (their bits are set anew before every round: averaging.py)
 
 
@@ -65,7 +67,8 @@ class GatedAverager(hivemind.DecentralizedAverager):
     def __init__(self, *args: Any, gate: MemberGate, **kwargs: Any) -> None:
         self.gate = gate
         self._hinted: list[tuple[PeerID, float]] = []  # the leaders set_leaders hinted (averager process)
-        self._hints_unread = False  # no lookup of the round returned them yet
+        self._found: list[tuple[PeerID, float]] = []  # what the round's last DHT lookup found
+        self._lookup_at_once = False  # the next lookup answers from the hints and the last one, not the DHT
         self._refusals_logged: dict[tuple[str, str], float] = {}
         self._offences: dict[str, deque[bool]] = {}
         super().__init__(*args, **kwargs)
@@ -94,7 +97,7 @@ class GatedAverager(hivemind.DecentralizedAverager):
 
     async def _set_leaders(self, leaders: list[tuple[str, float]], future: MPFuture) -> None:
         self._hinted = [(PeerID.from_base58(peer_id), expiration) for peer_id, expiration in leaders]
-        self._hints_unread = bool(self._hinted)
+        self._found, self._lookup_at_once = [], bool(self._hinted)
         self._look_up_hinted_leaders()
         future.set_result(None)
 
@@ -102,19 +105,21 @@ class GatedAverager(hivemind.DecentralizedAverager):
         """Wrap the key manager's lookup of the averagers declared under a group key (the one source of hivemind's
         potential leaders; it has no hook for others): a round's first lookup returns the hinted leaders at once,
         later ones what the DHT shows plus the hinted leaders it does not show (with_hinted_leaders). A hinted leader
-        that turned this unit down is asked again after the next lookup (:meth:`_ask_only_members_to_lead`): units
-        begin their rounds in any order, and one asked before it began answers NOT_LOOKING_FOR_GROUP, after which
-        hivemind never asks it again that round (16 units: such followers ended their rounds alone)."""
+        that turned this unit down is asked again HINT_RETRY_S later, the lookup then answered from the hints and the
+        last DHT answer (:meth:`_ask_only_members_to_lead`): units begin their rounds in any order, and one asked
+        before it began answers NOT_LOOKING_FOR_GROUP, after which hivemind never asks it again that round (16 units:
+        119 such refusals, those followers ended alone); asked again only after the next DHT lookup, column members of
+        a 16-unit run still ended their mix rounds alone, the lookup coming back after the round's end."""
         key_manager = self._matchmaking.group_key_manager
         if getattr(key_manager, "hints_leaders", False):
             return
         get_averagers = key_manager.get_averagers
 
         async def get_averagers_and_hinted(group_key: str, only_active: bool) -> list[tuple[PeerID, float]]:
-            if self._hints_unread:
-                self._hints_unread = False
-                return list(self._hinted)
-            return with_hinted_leaders(await get_averagers(group_key, only_active), self._hinted)
+            if not self._lookup_at_once:
+                self._found = await get_averagers(group_key, only_active)
+            self._lookup_at_once = False
+            return with_hinted_leaders(self._found, self._hinted)
 
         key_manager.get_averagers = get_averagers_and_hinted
         key_manager.hints_leaders = True
@@ -142,10 +147,11 @@ class GatedAverager(hivemind.DecentralizedAverager):
 
         async def request_join_group_of_a_member(leader: PeerID) -> GroupInfo | None:
             group = None if await self._refuses(leader, "a lead") else await request_join_group(leader)
-            if group is None:  # a hinted leader may not have begun its round yet: asked again after the next lookup
-                matchmaking.potential_leaders.past_attempts.difference_update(
-                    attempt for attempt in self._hinted if attempt[0] == leader
-                )
+            hinted = [attempt for attempt in self._hinted if attempt[0] == leader]
+            if group is None and hinted:  # it may not have begun its round yet: asked again, without a DHT lookup
+                matchmaking.potential_leaders.past_attempts.difference_update(hinted)
+                await asyncio.sleep(HINT_RETRY_S)
+                self._lookup_at_once = True
             return group
 
         matchmaking._request_join_group = request_join_group_of_a_member
