@@ -146,9 +146,10 @@ class GatedAverager(hivemind.DecentralizedAverager):
         request_join_group = matchmaking._request_join_group
 
         async def request_join_group_of_a_member(leader: PeerID) -> GroupInfo | None:
-            group = None if await self._refuses(leader, "a lead") else await request_join_group(leader)
+            refused = await self._refuses(leader, "a lead")
+            group = None if refused else await request_join_group(leader)
             hinted = [attempt for attempt in self._hinted if attempt[0] == leader]
-            if group is None and hinted:  # it may not have begun its round yet: asked again, without a DHT lookup
+            if group is None and hinted and not refused:  # it may not have begun yet: asked again, without a lookup
                 matchmaking.potential_leaders.past_attempts.difference_update(hinted)
                 await asyncio.sleep(HINT_RETRY_S)
                 self._lookup_at_once = True
