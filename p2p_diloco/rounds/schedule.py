@@ -133,12 +133,12 @@ class StepSchedule:
 
 @dataclass(frozen=True)
 class MixDue:
-    """A fragment's mix round to begin: at ``boundary`` plus ``offset_s``, asking for ``group``, carrying ``weight``."""
+    """A fragment's mix round to begin: at ``boundary`` (its all-reduce at ``group.scheduled_at``, the boundary plus
+    the unit's offset), asking for ``group``, carrying ``weight``."""
 
     boundary: float
     group: GroupRequest
     weight: float
-    offset_s: float
 
 
 class ClockSchedule(StepSchedule):
@@ -170,7 +170,7 @@ class ClockSchedule(StepSchedule):
             if step_time_s is None or window_s < LATE_S:
                 del self.mix_due[number]
             elif number not in busy and window_s <= self.clock.lead_s(step_time_s):
-                dues.append(Due(RoundId(RoundKind.MIX, number), window_s + due.offset_s, due.boundary, due.group,
+                dues.append(Due(RoundId(RoundKind.MIX, number), due.group.scheduled_at - now, due.boundary, due.group,
                                 due.weight))  # fmt: skip
         return dues
 
@@ -197,9 +197,10 @@ class ClockSchedule(StepSchedule):
             if boundary is not None:
                 self.mix_due.pop(number, None)  # a mix not begun by the next round is stale
                 cell = grid_cell(census, self.peer_id, f"{number}@{boundary:.3f}", target)
-                window = boundary - now + cell.row_offset_s
                 group = GroupRequest(cell.row_bits, leaders=cell.row_leaders, scheduled_at=boundary + cell.row_offset_s)
-                dues.append(Due(RoundId(RoundKind.FRAGMENT, number), window, boundary, group, cell=cell))
+                dues.append(
+                    Due(RoundId(RoundKind.FRAGMENT, number), group.scheduled_at - now, boundary, group, cell=cell)
+                )
         return dues
 
     def began(self, due: Due) -> None:
@@ -222,7 +223,7 @@ class ClockSchedule(StepSchedule):
             size = max(cell.column_size, self.plan.group.target_size)  # room for units the census missed, as in rows
             boundary = self.last_boundary[number] + half
             group = GroupRequest(cell.column_bits, size, cell.column_leaders, boundary + cell.column_offset_s)
-            self.mix_due[number] = MixDue(boundary, group, weight, cell.column_offset_s)
+            self.mix_due[number] = MixDue(boundary, group, weight)
 
     def forget_mixes(self) -> None:
         self.mix_due.clear()
