@@ -10,7 +10,8 @@ after its previous one, no settle rounds at exit); ``settle``, the same with the
 Measured per run, from the units' metrics logs, stdout logs and final checkpoints (:func:`measure_run`):
 group sizes (one count per unit and merged round), member drift of groups of two or more, pairwise relative distance
 ‖φa − φb‖ / max(‖φa‖, ‖φb‖) between units over time (from their ``model_probe`` events: φ at 1,024 fixed coordinates)
-and at the end (full φ of the final checkpoints), clusters at 1e-3, final eval spread, inner steps, the swarm's inner
+and at the end (full φ of the final checkpoints), clusters at 1e-3, the share of time every unit held one model (one
+cluster) after the median unit's third round and over the whole run, final eval spread, inner steps, the swarm's inner
 steps per second while every unit trained, bytes sent per unit, start-up and shutdown times, error lines in the logs,
 and per unit (sampled mid-run) its processes, threads, memory (PSS) and CPU split between the main process and the
 rest of its tree.
@@ -155,6 +156,13 @@ def timeline(probes: dict[str, list[ModelProbe]], start: float, end: float) -> l
     return points
 
 
+def one_model_share(points: Sequence[dict[str, Any]], from_s: float) -> float | None:
+    """The share of the timeline's points from ``from_s`` (seconds after its start) where every unit held one model
+    (one cluster at 1e-3); None without such points."""
+    after = [point for point in points if point["t"] >= from_s]
+    return sum(len(point["clusters"]) == 1 for point in after) / len(after) if after else None
+
+
 def log_errors(path: Path) -> dict[str, int]:
     counts = dict.fromkeys(ERROR_PATTERNS, 0)
     if path.exists():
@@ -199,7 +207,8 @@ def measure_run(run_dir: Path, raw: dict[str, Any]) -> dict[str, Any]:
         "member_drift": {"p50": percentile(drifts, 0.5), "p90": percentile(drifts, 0.9),
                          "share_above_1e-3": sum(d > 1e-3 for d in drifts) / len(drifts) if drifts else None},
         "distance_during": {"p50": percentile(during, 0.5), "p90": percentile(during, 0.9), "from_s": settled - start},
-        "one_model_share": sum(len(p["clusters"]) == 1 for p in points) / len(points) if points else None,
+        "one_model_share": one_model_share(points, settled - start),
+        "one_model_share_whole": one_model_share(points, 0.0),
         "final_clusters": lineage_sizes(len(final_vectors), final_distances),
         "final_max_distance": max(final_distances, default=0.0),
         "final_eval": {"mean": statistics.fmean(evals) if evals else None,

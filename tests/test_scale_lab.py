@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bench.scale import percentile, timeline
+from bench.scale import one_model_share, percentile, timeline
 from bench.simulate import Matchmaker, SimAverager, SimSpec, Simulation
 from p2p_diloco.unit.events import ModelProbe
 
@@ -23,6 +23,12 @@ def test_the_timeline_takes_each_units_latest_probe() -> None:
     points = timeline(probes, start=11.0, end=13.0)
     assert [p["max"] for p in points] == pytest.approx([0.0, 2**0.5, 2**0.5])
     assert points[0]["clusters"] == [2] and points[1]["clusters"] == [1, 1]
+
+
+def test_the_one_model_share_counts_from_the_given_time() -> None:
+    points = [{"t": 0.0, "clusters": [1, 1]}, {"t": 1.0, "clusters": [2]}, {"t": 2.0, "clusters": [1, 1]}]
+    assert one_model_share(points, 0.0) == pytest.approx(1 / 3)
+    assert one_model_share(points, 1.0) == pytest.approx(1 / 2) and one_model_share(points, 3.0) is None
 
 
 def test_the_matchmaker_forms_groups_by_hiveminds_rule() -> None:
