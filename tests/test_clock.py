@@ -9,8 +9,9 @@ import torch
 from fakes import FakeGroup, TimedGroup, clone_all
 
 from p2p_diloco.config import OuterSection
+from p2p_diloco.rounds.averager import GroupRequest
 from p2p_diloco.rounds.clock import ADOPT_ROUNDS, RoundClock, next_boundary, power_of_two_period
-from p2p_diloco.rounds.departure import settle_window_s
+from p2p_diloco.rounds.departure import settle_period_s, settle_window_s, together_boundary
 from p2p_diloco.rounds.engine import RoundEngine
 from p2p_diloco.rounds.kinds import Settle
 from p2p_diloco.rounds.plan import RoundPlan
@@ -280,6 +281,33 @@ def test_a_round_in_flight_at_exit_merges_at_once_and_the_steps_made_meanwhile_g
     assert any(not torch.equal(old, new) for old, new in zip(before, leaving.state.global_params))
     assert [begin.status for begin in leaving.begin_final(0.1, now + 10.0)] == [RoundStatus.BEGUN]
     assert leaving.begin_final(0.1, now + 10.0) == []  # in flight: nothing more to hand over
+
+
+def test_units_leaving_together_end_on_one_phi_in_one_final_round() -> None:
+    """Every unit of a swarm in rows leaves while the rows' merges wait for their mix round: the merges are applied
+    (two row means), then one final round per unit, all of them in one group at the boundary every unit derives from
+    the same announcements, tokens or not, brings all four to one φ."""
+    group, units = mixing_units(outer_momentum=0.9)
+    now = 10_000.0
+    while not any(engine.state.held for engine in units) and now < 10_030.0:
+        now += 0.1
+        tick(group, units, now)
+    while any(engine.in_flight for engine in units):  # the rows' rounds end; their mix rounds are not due yet
+        now += 0.1
+        tick(group, units, now)
+    plan = units[0].plan
+    boundary = together_boundary(plan, [now - 0.3, now - 0.1, now])
+    assert boundary >= now + 2 * settle_period_s(plan) and boundary % settle_period_s(plan) == pytest.approx(0.0)
+    together = GroupRequest(size=4, scheduled_at=boundary)
+    units[3].state.fragments[0].tokens_since_round = 0  # nothing to hand over: it takes part all the same
+    begins = [begin for engine in units for begin in engine.begin_final(0.1, now, together)]
+    assert [begin.status for begin in begins] == [RoundStatus.BEGUN] * 4
+    group.advance(boundary + 1.0)
+    ends = [end for engine in units for end in engine.drain(timeout_s=1.0)]  # as departure.py ends them
+    assert all(end.merged and end.group_size == 4 for end in ends) and len(ends) == 4
+    assert all(not engine.state.held and not engine.in_flight for engine in units)
+    for engine in units[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(engine.state.global_params, units[0].state.global_params))
 
 
 def mixing(engine: RoundEngine) -> bool:

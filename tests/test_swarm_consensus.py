@@ -1,9 +1,10 @@
 """One model from a swarm whose groups cannot hold everyone: 6 units with target group size 2 on 127.0.0.1 train on
 the default (clock) schedule, one model at most moments while they train (rows of two, then columns of three, the
 rows' merges held until the columns': rounds/grid.py), then leave together, one of them held up at exit (its main
-process stopped, once it announced that it finishes, for longer than the others' --settle-rounds take); their settle
-rounds at exit must make them leave as one model. (Freezing its whole process tree instead once timed torch's shared
-memory manager out: unit.py's settle averager start.)
+process stopped, once it announced that it finishes, for longer than the others' --settle-rounds take): the others'
+final round, all of them in one group, misses it, and their settle rounds at exit must make them leave as one
+model. (Freezing its whole process tree instead once timed torch's shared memory manager out: unit.py's settle
+averager start.)
 
 Tolerance (DESIGN.md's consensus measure and the swarm benchmark's target): every pair of φ probes within a relative
 distance of 1e-3 at ONE_MODEL_SHARE of the seconds after every unit's third round (each second, every unit's latest
@@ -80,7 +81,7 @@ def test_units_in_groups_of_two_leave_as_one_model(swarm: Swarm) -> None:
     points = timeline({name: swarm.events(name, ModelProbe) for name in names}, warm, time.time())
     share = sum(point["max"] <= 1e-3 for point in points) / len(points)
     assert share >= ONE_MODEL_SHARE, f"one model {share:.0%} of {len(points)} s: {[p['clusters'] for p in points]}"
-    held_up = names[-1]
+    held_up, stopped = names[-1], time.time()
     with ThreadPoolExecutor(1) as stopping:
         codes = stopping.submit(swarm.stop, names, grace_s=180)
         log = swarm.root / held_up / "stdout.log"
@@ -92,8 +93,10 @@ def test_units_in_groups_of_two_leave_as_one_model(swarm: Swarm) -> None:
         finally:
             os.kill(main_process, signal.SIGCONT)
         assert codes.result() == [0] * UNITS
-    settled = [c for name in names for c in swarm.events(name, ConsensusRound) if c.kind == "settle" and c.applied]
-    assert settled and max(c.group_size for c in settled) > 2, "the settle rounds met in groups beyond the target"
+    settled = [c.group_size for name in names for c in swarm.events(name, ConsensusRound) if c.kind == "settle"
+               and c.applied]  # fmt: skip
+    final = [r.group_size for name in names for r in swarm.rounds(name, stopped)]
+    assert max(settled + final) > 2, "the final or settle rounds met in groups beyond the target"
     phis = [_phi(swarm.root / name) for name in names]
     distances = [float((a - b).norm() / max(a.norm(), b.norm())) for a, b in itertools.combinations(phis, 2)]
     assert max(distances) <= 1e-3, f"pairwise φ distances at exit: {distances}; {_exits(swarm, names)}"

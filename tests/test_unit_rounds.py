@@ -298,6 +298,16 @@ def test_an_eval_after_a_round_is_spread_over_the_next_steps_and_scores_phi_as_i
     assert a.unit.evaluator.last_loss == event.eval_loss
 
 
+def test_the_final_eval_drops_a_spread_eval_still_running(make_peer: PeerFactory) -> None:
+    """At exit the final φ supersedes the φ of a spread eval not finished yet: only the final eval is written."""
+    a = make_peer("a", FakeGroup(), data__eval_batches=3, outer__inner_steps=100)
+    inner_step(a)
+    a.unit._evaluate("outer_round")
+    a.unit.stepped(a.unit.train_step(a.batches))
+    a.unit._evaluate("final")
+    assert [event.reason for event in a.events(Eval)] == ["final"] and a.unit.evaluator.running is None
+
+
 # -------------------------------------------------------------------------------------------------- join
 def test_join_adopts_the_swarm_state_of_a_later_round(make_peer: PeerFactory) -> None:
     template = make_peer("template", FakeGroup()).unit
@@ -463,40 +473,41 @@ def test_finish_hands_the_steps_made_while_a_round_was_in_flight_to_one_more_fin
 
 
 @pytest.mark.parametrize(
-    ("others", "waits"),
-    [({}, False), ({"b": "finishing"}, True), ({"suspect": "finishing"}, False), ({"b": "training"}, False),
-     ({"b": "left"}, False)],
-    ids=["alone in the swarm", "another unit finishes", "a suspect finishes", "the others train on",
-         "the other unit left"],
+    ("others", "waits", "leaves_together"),
+    [({}, False, True), (None, False, False), ({"b": "finishing"}, True, True),
+     ({"suspect": "finishing"}, False, True), ({"b": "training"}, False, False), ({"b": "left"}, False, True)],
+    ids=["alone in the swarm", "live units unread", "another unit finishes", "a suspect finishes",
+         "the others train on", "the other unit left"],
 )  # fmt: skip
 def test_a_lone_settle_round_is_retried_only_while_another_unit_finishes(
-    make_peer: PeerFactory, others: dict[str, Phase], waits: bool
+    make_peer: PeerFactory, others: dict[str, Phase] | None, waits: bool, leaves_together: bool
 ) -> None:
     """Settle rounds that meet nobody go on while the census holds another unit that is finishing and that the settle
     rounds admit (--settle-rounds, then as many as fit in the final rounds' bound, which that unit may still be
-    waiting out); otherwise one round. The unit announces that it finishes, refreshes that each settle round, then
-    announces that it left."""
+    waiting out); otherwise one round, and none when no unit trains on and the final round held every unit leaving
+    (this one alone; not while live units of the census while training are missing from the reads). The unit
+    announces that it finishes, refreshes that each settle round, then announces that it left."""
     settle = FakeGroup()  # only this unit's settle averager: every settle round is alone
-    a = make_peer("a", FakeGroup(), settle_group=settle, outer__settle_rounds=4)
+    a = make_peer("a", FakeGroup(), settle_group=settle, outer__settle_rounds=4, outer__min_window_s=0.25)
     a.unit.network.settle_refuses = lambda peer_id: peer_id == "suspect"
-    for name, phase in others.items():
+    for name, phase in (others or {}).items():
         a.records.publish_progress(progress(name, 0, a.unit.loaded.fingerprint).copy(update={"phase": phase}))
-    if not others:
-        a.unit.engine.census = {"b": 0.0, "c": 0.0}  # the census of live units while training: ignored
     train_until_round(a)
+    unread = {"b": 0.0, "c": 0.0}  # live while training, but no read at exit shows them
+    a.unit.engine.census = unread if others is None else dict.fromkeys(others, 0.0)
     patience = settle_patience(a.unit.engine, a.unit.throughput.step_time_s)
-    settle_rounds = 4 + patience if waits else 1
+    settle_rounds = 4 + patience if waits else (0 if leaves_together else 1)
     a.unit.finish()
-    (settle_averager,) = settle.members
     assert patience >= 8  # quick units' final rounds: a window of at least 2 s, 1 s of slack, a 30 s all-reduce
-    assert len(settle_averager.begun) == settle_rounds and settle_averager.is_shut_down
+    assert len(settle.members) == (1 if settle_rounds else 0)
+    assert all(len(averager.begun) == settle_rounds and averager.is_shut_down for averager in settle.members)
     assert a.averager.is_shut_down  # the round averager made room for the settle averager
     assert [end.kind for end in a.events(ConsensusRound)] == ["settle"] * settle_rounds
     phases = [record.phase for record in a.records.published if record.peer_id == "a"]
     assert phases[-settle_rounds - 2 :] == ["finishing"] * (settle_rounds + 1) + ["left"]
 
 
-@pytest.mark.parametrize(("later", "settle_rounds"), [(None, None), ("left", 2)], ids=["expired", "left"])
+@pytest.mark.parametrize(("later", "settle_rounds"), [(None, None), ("left", 1)], ids=["expired", "left"])
 def test_a_unit_read_finishing_counts_until_a_read_shows_it_in_another_phase(
     make_peer: PeerFactory, later: Phase | None, settle_rounds: int | None
 ) -> None:
@@ -526,7 +537,8 @@ def test_a_settle_averager_that_fails_to_start_costs_only_the_settle_rounds(
 
     a = make_peer("a", FakeGroup(), settle_group=FakeGroup())
     a.unit.network.settle_averager = fails
-    train_until_round(a)
+    a.records.publish_progress(progress("b", 0, a.unit.loaded.fingerprint).copy(update={"phase": "finishing"}))
+    train_until_round(a)  # b never joins the final round: settle rounds would follow
     a.unit.finish()
     assert "the settle averager did not start" in caplog.text
     assert a.events(Stop) and not a.events(ConsensusRound)

@@ -26,13 +26,15 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from p2p_diloco.rounds.averager import Averager, RoundOutcome
+from p2p_diloco.rounds.averager import Averager, GroupRequest, RoundOutcome
 from p2p_diloco.rounds.kinds import Consensus, CorrectionRound, FragmentRound, Mix
 from p2p_diloco.rounds.plan import RoundPlan
 from p2p_diloco.rounds.results import RoundBegin, RoundEnd, RoundId, RoundKind, RoundStatus
 from p2p_diloco.rounds.schedule import ConsensusQueue, Due, schedule_of
 from p2p_diloco.rounds.state import InPlace, LocalSync, OuterState
 from p2p_diloco.streaming import Roundtrip, SentRound
+
+DRAIN_MIN_S = 0.5  # the least a round in flight at exit is waited for (RoundEngine.drain)
 
 
 @dataclass
@@ -129,22 +131,30 @@ class RoundEngine:
             results.append(self._begin(due))
         return results
 
-    def begin_final(self, step_time_s: float | None, now: float | None = None) -> list[RoundBegin]:
+    def begin_final(
+        self, step_time_s: float | None, now: float | None = None, together: GroupRequest | None = None
+    ) -> list[RoundBegin]:
         """At exit: cancel the mix rounds (they carry no progress, and hold the averagers the final rounds need), then
         begin every fragment round with tokens to hand over (trained since its last round began) and none in flight,
         whatever the in-flight bound, at the fragment's next boundary (clock schedule) so that units leaving together
-        meet (stops at a RESET: nothing finite to hand over)."""
+        meet. With ``together`` (every unit of the swarm leaves: departure.py), every fragment not in flight asks for
+        that group at its scheduled time instead, tokens or not, so that all of them end on one φ. Stops at a RESET:
+        nothing finite to hand over."""
         now = time.time() if now is None else now
         self._cancel(RoundKind.MIX)
         results: list[RoundBegin] = []
         busy = self._busy(RoundKind.FRAGMENT)
         for rounds in self.state.fragments:
             number = rounds.fragment.number
-            if number not in busy and rounds.tokens_since_round > 0:
-                window_s = self.schedule.window_s(number, step_time_s, now)
-                results.append(self._begin(Due(RoundId(RoundKind.FRAGMENT, number), window_s)))
-                if results[-1].status is RoundStatus.RESET:
-                    break
+            if number in busy or (together is None and rounds.tokens_since_round == 0):
+                continue
+            if together is None:
+                due = Due(RoundId(RoundKind.FRAGMENT, number), self.schedule.window_s(number, step_time_s, now))
+            else:
+                due = Due(RoundId(RoundKind.FRAGMENT, number), together.scheduled_at - now, group=together)
+            results.append(self._begin(due))
+            if results[-1].status is RoundStatus.RESET:
+                break
         return results
 
     def _begin_scheduled(self, due: Due) -> RoundBegin:
@@ -185,13 +195,16 @@ class RoundEngine:
     def drain(self, timeout_s: float) -> list[RoundEnd]:
         """At exit, the one call that waits: cancel the consensus and mix rounds in flight (they carry no progress),
         then wait up to ``timeout_s`` in all for the fragment rounds in flight and merge those that end (at once: no
-        mix round follows at exit); the others are cancelled and carried (results.py)."""
+        mix round follows at exit); the others are cancelled and carried (results.py). Each round gets at least
+        DRAIN_MIN_S: a unit stopped past the deadline (SIGSTOP, a swapped-out host) reads the outcome its averager
+        process delivered meanwhile instead of dropping it (measured: a unit frozen at exit left one outer step
+        apart from the five units it had averaged with)."""
         self._cancel(RoundKind.CONSENSUS, RoundKind.MIX)
         deadline = time.monotonic() + timeout_s
         ends = []
         for round_id in sorted(self.in_flight, key=_poll_order):
             flight = self.in_flight[round_id]
-            outcome = flight.averager.finish_round(max(0.0, deadline - time.monotonic()))
+            outcome = flight.averager.finish_round(max(DRAIN_MIN_S, deadline - time.monotonic()))
             if outcome is not None:
                 ends.append(self._end(round_id, outcome))
             else:

@@ -161,9 +161,14 @@ class RoundPlan:
         return self.step.hyper.momentum > 0
 
     @property
+    def merges_alike(self) -> bool:
+        """Whether every member of a merged fragment round ends on the same φ_p (fp32 proposals, not a lossy Δ_p)."""
+        return self.step.payload is not Payload.PSEUDO_GRADIENT
+
+    @property
     def mixes(self) -> bool:
         """Whether a mix round follows each fragment round (clock schedule, fp32 proposals; schedule.py)."""
-        return self.schedule == "clock" and self.step.payload is not Payload.PSEUDO_GRADIENT
+        return self.schedule == "clock" and self.merges_alike
 
     def keys(self, run_id: str, fingerprint: str) -> KeySchema:
         """Where this plan's units meet and share state (see :class:`KeySchema`)."""

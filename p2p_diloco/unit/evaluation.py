@@ -6,7 +6,8 @@ Why spread: an eval of 8 batches after every round held each unit 1 to 4 s (tiny
 the swarm (results/scale). A spread eval snapshots φ when it begins (one copy of φ while it runs), evaluates
 ``BATCHES_PER_STEP`` batches after each inner step, and reports the mean over all batches for the round it began at:
 the same number an eval at once gives. An eval still running when the next one is due finishes at once first (a
-unit whose rounds come faster than its eval's batches evaluates every round all the same).
+unit whose rounds come faster than its eval's batches evaluates every round all the same), but for the final eval at
+exit: the final φ supersedes it, and finishing it only delayed the exit (4 s of a 16-unit run's shutdown).
 """
 
 from __future__ import annotations
@@ -43,7 +44,9 @@ class Evaluator:
     def evaluate(self, phi: Sequence[torch.Tensor], outer_round: int, reason: events.EvalReason) -> None:
         """Evaluate ``phi`` (of ``outer_round``): after a round (``reason`` "outer_round") a spread eval begins (a
         unit whose ranks hold shards evaluates at once: each batch is a collective of all ranks); else at once. An eval
-        still running finishes at once first."""
+        still running finishes at once first, or is dropped by the final eval."""
+        if reason == "final":
+            self.running = None
         while self.running is not None:
             self.advance()
         if not self.batches:

@@ -38,7 +38,7 @@ from p2p_diloco.network.records import PeerProgress, PendingProgress, ProgressRe
 from p2p_diloco.network.state_sync import StateService, SwarmState
 from p2p_diloco.network.wire import WireCounter
 from p2p_diloco.rounds.averager import Averager
-from p2p_diloco.rounds.departure import Departure, Phase
+from p2p_diloco.rounds.departure import Announcement, Departure, Phase
 from p2p_diloco.rounds.engine import RoundEngine
 from p2p_diloco.rounds.plan import RoundPlan
 from p2p_diloco.rounds.results import RoundBegin, RoundEnd, RoundKind, RoundStatus
@@ -121,6 +121,7 @@ class LearningUnit:
         self.last_loss = float("nan")
         self.last_group_size = 0
         self._advanced = False  # the unit's round advanced since its last periodic I/O (ended)
+        self._leaving = False  # in the exit protocol: no periodic I/O (the final eval, checkpoint and export follow)
         self.checkpoint_path = Path(config.run.work_dir) / "checkpoint.pt"
         self.ledger_path = Path(config.run.work_dir) / LEDGER_FILE
         self.ledger = GoodputLedger.load_or_create(self.ledger_path)
@@ -278,7 +279,7 @@ class LearningUnit:
         self._report(end, wire=merged and end.advanced)
         if merged or end.kind is RoundKind.MIX or end.status is RoundStatus.MERGED:  # a mix applies a held merge
             self._write_probe()
-        if self._advanced and end.fragment not in self.state.held:
+        if self._advanced and end.fragment not in self.state.held and not self._leaving:
             self._advanced = False
             self.ledger.save(self.ledger_path)
             self._publish_state()
@@ -343,9 +344,11 @@ class LearningUnit:
         )  # fmt: skip
         self.network.records.publish_progress(progress, ttl_s=PROGRESS_TTL_S, wait=wait)
 
-    def phases(self) -> dict[str, Phase]:
-        """Every unit's phase as the run's progress records show them now (the census of departure.py)."""
-        return {peer_id: record.phase for peer_id, record in self.network.records.read_progress().items()}
+    def phases(self) -> dict[str, Announcement]:
+        """Every unit's phase as the run's progress records show them now, and when each was published (the census of
+        departure.py)."""
+        records = self.network.records.read_progress()
+        return {peer_id: Announcement(record.phase, record.last_seen) for peer_id, record in records.items()}
 
     def save(self) -> None:
         """Atomically write the local checkpoint (θ, φ, momentum, inner optimizer, counters, data position) and the
@@ -365,7 +368,7 @@ class LearningUnit:
     def finish(self) -> None:
         """Leave cleanly: the exit protocol (rounds/departure.py: final rounds, settle rounds, the census), then the
         final eval, checkpoint and export of the consensus parameters."""
-        network = self.network
+        network, self._leaving = self.network, True
         Departure(self.engine, census=self, observer=self, peer_id=network.peer_id, now=shared_time,
                   settle_averager=network.settle_averager,
                   refuses=network.settle_refuses).leave(self.throughput.step_time_s)  # fmt: skip
