@@ -119,6 +119,7 @@ def _join(args: argparse.Namespace) -> int:
     from p2p_diloco.lifecycle import (
         die_with_launcher,
         ensure_fork_start_method,
+        exit_at_once,
         install_stop_signals,
         launched,
         start_orphan_reaper,
@@ -134,7 +135,7 @@ def _join(args: argparse.Namespace) -> int:
     ensure_fork_start_method()
     start_orphan_reaper()
     run_peer(config, install_stop_signals())
-    return 0
+    exit_at_once(0)  # the unit left: every process it started is stopped, its files are closed
 
 
 def _positive_seconds(text: str) -> float:

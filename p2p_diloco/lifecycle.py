@@ -24,6 +24,7 @@ import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
+from typing import NoReturn
 
 logger = logging.getLogger(__name__)
 
@@ -242,6 +243,17 @@ def _on_stop_signal(signum: int, _frame: object) -> None:
         raise KeyboardInterrupt
     logger.warning("stop requested signal=%s (Ctrl+C again to abort)", signal.Signals(signum).name)
     _stop_event.set()
+
+
+def exit_at_once(code: int) -> NoReturn:
+    """End this process with ``code`` now, skipping the interpreter's finalization: for a process whose work is done
+    (its files closed, its children stopped, its logs flushed here). Measured: a unit's process took 6 s to end after
+    its last line of Python (8 units leaving on 2 cores; 12 s at 16), all of it in finalization with no Python frame
+    on the stack; the orphan reaper removes what is left of its children group, as after a SIGKILL."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _reset_child_signals() -> None:
