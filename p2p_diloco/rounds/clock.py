@@ -6,9 +6,8 @@ with its speed, and after a few rounds fewer and fewer units share a matchmaking
 fell from 5.5 to 2.6 over a 180 s run). Here every round begins at a *boundary* of shared time instead:
 
 * a unit's round period T is the power of two (in seconds) nearest H × its measured inner-step time, with hysteresis,
-  and at least what one merged round keeps the unit busy (the time from a boundary until the unit could begin its
-  next round: all-reduce, merge; and the minimum window before the next; a failed round ends at a timeout and is not
-  counted: schedule.py), twice that with a mix round per period;
+  and at least what one round keeps the unit busy (the time from a boundary until the unit could begin its next
+  round: all-reduce, merge; and the minimum window before the next), twice that with a mix round per period;
   boundaries of fragment p of P are the times n·T + p·T/P (seconds since the epoch, n an integer).
 * Every unit due at a boundary schedules its all-reduce at that boundary (plus its place's offset in the round's
   layout, grid.py, which draws the groups anew every round), so every reachable unit meets at every boundary,
