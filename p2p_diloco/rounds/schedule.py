@@ -212,13 +212,10 @@ class ClockSchedule(StepSchedule):
 
     def fragment_ended(self, number: int, merged: RoundOutcome | None) -> None:
         """Follow the members' period, and queue the fragment's mix round half a period after the round's boundary,
-        in this unit's column of the round's layout, carrying its share of its row's weight. Only a merged round
-        measures how long a round keeps the unit busy: a failed one ends at a timeout, and sizing the period by it
-        (8 units, target 3: one all-reduce that timed out after 30 s) took the whole swarm, which follows the longest
-        period its census wants, from 16 s to 64 and 128 s."""
+        in this unit's column of the round's layout, carrying its share of its row's weight."""
+        self._ended_since_look.add(number)
         if merged is None or self.clock.period_s is None:
             return
-        self._ended_since_look.add(number)
         self.clock.adopt(merged.member_periods)
         cell = self.last_cell[number]
         if self.plan.mixes and cell is not None and cell.rows > 1 and math.isfinite(self.last_boundary[number]):
