@@ -3,6 +3,7 @@ tiny model, corpus, inner trainer, checkpoints and metrics log. No network, no p
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
@@ -36,7 +37,8 @@ from p2p_diloco.diloco import (
 )
 from p2p_diloco.network.records import PeerProgress
 from p2p_diloco.network.state_sync import SwarmState
-from p2p_diloco.rounds.departure import Phase, settle_patience
+from p2p_diloco.rounds.averager import GroupRequest
+from p2p_diloco.rounds.departure import TOGETHER_BITS, Phase, settle_patience
 from p2p_diloco.unit.events import (
     ConsensusRound,
     Eval,
@@ -505,6 +507,25 @@ def test_a_lone_settle_round_is_retried_only_while_another_unit_finishes(
     assert [end.kind for end in a.events(ConsensusRound)] == ["settle"] * settle_rounds
     phases = [record.phase for record in a.records.published if record.peer_id == "a"]
     assert phases[-settle_rounds - 2 :] == ["finishing"] * (settle_rounds + 1) + ["left"]
+
+
+def test_units_leaving_together_settle_when_another_publishes_a_different_phi(
+    make_peer: PeerFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The final round held both units leaving, but the other one's record shows another φ after it (its all-reduce
+    ended with parts missing, say): the settle rounds follow rather than a unit leaving one outer step apart."""
+    caplog.set_level(logging.INFO, logger="p2p_diloco.rounds.departure")
+    group, settle = FakeGroup(), FakeGroup()
+    a = make_peer("a", group, settle_group=settle, outer__settle_rounds=1, outer__min_window_s=0.25)
+    b = make_peer("b", group)
+    inner_step(a)
+    other = progress("b", 0, a.unit.loaded.fingerprint).copy(update={"phase": "finishing", "probe": [9.0] * 32})
+    a.records.publish_progress(other)
+    a.unit.engine.census = {"b": 0.0}
+    assert b.unit.engine.begin_final(0.1, None, GroupRequest(TOGETHER_BITS, 2))  # b waits in the final round's group
+    a.unit.finish()
+    assert a.averager.begun[-1].group.subgroup == TOGETHER_BITS and group.rounds and len(group.rounds[-1]) == 2
+    assert "do not all hold this unit's φ" in caplog.text and settle.members and settle.members[0].begun
 
 
 @pytest.mark.parametrize(("later", "settle_rounds"), [(None, None), ("left", 1)], ids=["expired", "left"])

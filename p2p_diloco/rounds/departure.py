@@ -4,8 +4,8 @@
 2. when a read of the census shows no unit training on (every unit of the swarm leaves, as when a run ends), it
    leaves *together* with the units finishing: a round in flight at exit merges first, then one final round per
    fragment, every unit finishing in one group at the next boundary of the settle grid (below), so that all of them
-   end on one φ; when that round held every unit finishing and carried fp32 proposals, the exit needs no settle
-   round (step 4 is the fallback);
+   end on one φ; when that round held every unit finishing, carried fp32 proposals and every unit leaving then
+   publishes the same φ probe, the exit needs no settle round (step 5 is the fallback);
 3. otherwise final rounds hand its last steps to the swarm at the next boundary (bounded by the engine's final-round
    bound; with quorum 1 a round completes alone if nobody joins; a round that does not end in time is dropped and its
    progress stays in the checkpoint's local parameters); the steps made while a round in flight at exit ran go in one
@@ -33,6 +33,7 @@ from typing import Literal, Protocol
 
 import torch
 
+from p2p_diloco.diloco import probe_drift
 from p2p_diloco.rounds.averager import Averager, GroupRequest
 from p2p_diloco.rounds.clock import next_boundary
 from p2p_diloco.rounds.engine import RoundEngine
@@ -59,6 +60,7 @@ class Announcement:
 
     phase: Phase
     at: float
+    probe: tuple[float, ...] = ()  # the unit's φ at the record's probe coordinates when it published (consensus.py)
 
 
 class Census(Protocol):
@@ -105,7 +107,8 @@ class Departure:
         logger.info("finishing the last outer rounds (%s; at most %.0f s each; Ctrl+C again to abort)",
                     "the whole swarm leaves" if leaving else "the swarm trains on", bound_s)  # fmt: skip
         if leaving:
-            final_boundary, settled = self._final_round_together(step_time_s, bound_s, leaving)
+            final_boundary, whole = self._final_round_together(step_time_s, bound_s, leaving)
+            settled = whole and self._agree(leaving)
         else:
             final_boundary, settled = self._final_rounds(step_time_s, bound_s), False
         for averager in (*engine.averagers, *engine.consensus_averagers):
@@ -162,6 +165,24 @@ class Departure:
         ends = self._drain(bound_s)
         whole = len(ends) == len(begins) == len(plan.fragments) and plan.merges_alike
         return boundary, whole and all(end.merged and end.group_size >= len(leaving) for end in ends)
+
+    def _agree(self, leaving: list[str]) -> bool:
+        """Whether every unit of ``leaving`` published the same φ probe as this one after the final round (within
+        SETTLED_DRIFT), read for CENSUS_READ_WINDOWS minimum windows: a member whose all-reduce ended with parts
+        missing counts the whole group all the same (measured: a unit stopped during the round kept 81% of its own
+        values and would have left one outer step apart from the others)."""
+        self.census.publish("finishing", wait=True)  # the record now carries φ after the final round
+        deadline = time.monotonic() + CENSUS_READ_WINDOWS * self.engine.plan.window.min_s
+        while True:
+            announced = self.census.phases()
+            probes = [announced[peer_id].probe for peer_id in leaving if peer_id in announced]
+            alike = len(probes) == len(leaving) and len({len(probe) for probe in probes}) == 1 and all(probes)
+            if alike and probe_drift(probes) <= SETTLED_DRIFT:
+                return True
+            if time.monotonic() >= deadline:
+                logger.info("the units leaving do not all hold this unit's φ yet: settle rounds follow")
+                return False
+            time.sleep(CENSUS_READ_INTERVAL_S)
 
     def _drain(self, bound_s: float) -> list[RoundEnd]:
         """The rounds in flight merged (or dropped) within ``bound_s``, each reported."""

@@ -345,10 +345,11 @@ class LearningUnit:
         self.network.records.publish_progress(progress, ttl_s=PROGRESS_TTL_S, wait=wait)
 
     def phases(self) -> dict[str, Announcement]:
-        """Every unit's phase as the run's progress records show them now, and when each was published (the census of
-        departure.py)."""
+        """Every unit's phase as the run's progress records show them now, when each was published and its φ probe
+        (the census of departure.py)."""
         records = self.network.records.read_progress()
-        return {peer_id: Announcement(record.phase, record.last_seen) for peer_id, record in records.items()}
+        return {peer_id: Announcement(record.phase, record.last_seen, tuple(record.probe))
+                for peer_id, record in records.items()}  # fmt: skip
 
     def save(self) -> None:
         """Atomically write the local checkpoint (θ, φ, momentum, inner optimizer, counters, data position) and the
