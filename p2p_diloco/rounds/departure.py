@@ -153,7 +153,9 @@ class Departure:
         in the same order by every unit: grid.py), and starts as soon as all of them joined. Returns that boundary and
         whether the rounds made every unit leaving one model (each merged with all of them, fp32 proposals)."""
         engine, plan = self.engine, self.engine.plan
-        boundary = together_boundary(plan, [self._seen_finishing.get(peer_id, self.now()) for peer_id in leaving])
+        announced_at = [self._seen_finishing.get(peer_id, self.now()) for peer_id in leaving]
+        alone = len(leaving) == 1  # nobody to wait for: its round completes alone after a minimum window
+        boundary = self.now() + plan.window.min_s if alone else together_boundary(plan, announced_at)
         in_flight = [round_id for round_id in engine.in_flight if round_id.kind is RoundKind.FRAGMENT]
         if sum(end.merged for end in self._drain(bound_s)) < len(in_flight):
             return boundary, False  # a round that failed is not tried again: the settle rounds follow
