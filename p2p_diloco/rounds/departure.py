@@ -130,19 +130,16 @@ class Departure:
         is read again for CENSUS_READ_WINDOWS minimum windows; a read without this unit's own record is incomplete and
         never counts, and a live unit whose record no read shows (a read that missed it, or a unit that crashed) keeps
         this one on the final rounds toward the swarm."""
-        deadline = time.monotonic() + CENSUS_READ_WINDOWS * self.engine.plan.window.min_s
         live = {peer_id for peer_id in self.engine.census if not self.refuses(peer_id)}
         gone: set[str] = set()
-        while True:
-            announced = self.census.phases()
+
+        def together(announced: dict[str, Announcement]) -> bool:
             self._note(announced)
             gone.update(peer_id for peer_id, announcement in announced.items() if announcement.phase == "left")
             trains_on = any(a.phase == "training" and not self.refuses(peer_id) for peer_id, a in announced.items())
-            if self.peer_id in announced and not trains_on and live <= self._finishing_units() | gone:
-                return sorted(self._finishing_units())
-            if time.monotonic() >= deadline:
-                return []
-            time.sleep(CENSUS_READ_INTERVAL_S)
+            return self.peer_id in announced and not trains_on and live <= self._finishing_units() | gone
+
+        return sorted(self._finishing_units()) if self._read_census_until(together) else []
 
     def _final_round_together(
         self, step_time_s: float | None, bound_s: float, leaving: list[str]
@@ -174,17 +171,26 @@ class Departure:
         missing counts the whole group all the same (measured: a unit stopped during the round kept 81% of its own
         values and would have left one outer step apart from the others)."""
         self.census.publish("finishing", wait=True)  # the record now carries φ after the final round
-        deadline = time.monotonic() + CENSUS_READ_WINDOWS * self.engine.plan.window.min_s
-        while True:
-            announced = self.census.phases()
+
+        def same_phi(announced: dict[str, Announcement]) -> bool:
             probes = [announced[peer_id].probe for peer_id in leaving if peer_id in announced]
             alike = len(probes) == len(leaving) and len({len(probe) for probe in probes}) == 1 and all(probes)
-            if alike and probe_drift(probes) <= SETTLED_DRIFT:
-                return True
+            return alike and probe_drift(probes) <= SETTLED_DRIFT
+
+        if self._read_census_until(same_phi):
+            return True
+        logger.info("the units leaving do not all hold this unit's φ yet: settle rounds follow")
+        return False
+
+    def _read_census_until(self, accept: Callable[[dict[str, Announcement]], bool]) -> bool:
+        """Read the census every CENSUS_READ_INTERVAL_S until ``accept`` takes a read, for CENSUS_READ_WINDOWS minimum
+        windows at most; whether one was taken."""
+        deadline = time.monotonic() + CENSUS_READ_WINDOWS * self.engine.plan.window.min_s
+        while not accept(self.census.phases()):
             if time.monotonic() >= deadline:
-                logger.info("the units leaving do not all hold this unit's φ yet: settle rounds follow")
                 return False
             time.sleep(CENSUS_READ_INTERVAL_S)
+        return True
 
     def _drain(self, bound_s: float) -> list[RoundEnd]:
         """The rounds in flight merged (or dropped) within ``bound_s``, each reported."""
