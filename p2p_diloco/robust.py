@@ -41,8 +41,14 @@ class BoundedMean:
     far: tuple[int, ...] = ()  # parts dropped for a deviation over ``drop`` × the radius
     clipped: tuple[int, ...] = ()
     capped: tuple[int, ...] = ()
-    excess: tuple[float, ...] = ()  # per input: its deviation norm over the clipping radius (0 for dropped parts)
-    relative: tuple[float, ...] = ()  # per input: its deviation norm over the median's norm (0 for dropped parts)
+    excess: tuple[float, ...] = ()  # per input: its deviation norm over the clipping radius (0 for invalid parts)
+    deviation: tuple[float, ...] = ()  # per input: the norm of its deviation from the median (0 for invalid parts)
+    center_norm: float = 0.0  # the norm of the coordinate-wise median of the kept parts
+
+    @property
+    def relative(self) -> tuple[float, ...]:
+        """Per input: its deviation norm over the median's norm."""
+        return tuple(_ratio(deviation, self.center_norm) for deviation in self.deviation)
 
 
 def bounded_mean(
@@ -62,7 +68,7 @@ def bounded_mean(
     invalid = tuple(i for i in range(len(parts)) if i not in kept)
     if not kept:
         nothing = torch.full_like(parts[0], math.nan, dtype=torch.float32)
-        return BoundedMean(nothing, invalid, excess=(0.0,) * len(parts), relative=(0.0,) * len(parts))
+        return BoundedMean(nothing, invalid, excess=(0.0,) * len(parts), deviation=(0.0,) * len(parts))
     stacked = every if len(kept) == len(parts) else every[kept]
     center = coordinate_median(stacked) if len(kept) > 2 else stacked.mean(dim=0)
     deviations = stacked - center
@@ -77,10 +83,10 @@ def bounded_mean(
     capped_weights = kept_weights.clamp(max=cap).masked_fill(far_rows, 0.0)
     mixing = (capped_weights / capped_weights.sum()).float()
     shift = ((scale * mixing) @ deviations.flatten(1)).view_as(center)
-    excess, relative = [0.0] * len(parts), [0.0] * len(parts)
+    excess, deviation = [0.0] * len(parts), [0.0] * len(parts)
     for row, index in enumerate(kept):
         excess[index] = _ratio(float(norms[row]), radius)
-        relative[index] = _ratio(float(norms[row]), center_norm)
+        deviation[index] = float(norms[row])
     return BoundedMean(
         center + shift,
         invalid,
@@ -88,7 +94,8 @@ def bounded_mean(
         clipped=tuple(kept[row] for row in range(len(kept)) if 0 < scale[row] < 1),
         capped=tuple(kept[row] for row in range(len(kept)) if kept_weights[row] > cap),
         excess=tuple(excess),
-        relative=tuple(relative),
+        deviation=tuple(deviation),
+        center_norm=center_norm,
     )
 
 

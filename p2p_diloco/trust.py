@@ -70,7 +70,8 @@ THRESHOLDS = (
         "a member sending invalid or grossly off parts, or returning "
         "implausible averages as a reducer: an offence (a far part within it is none: counting those split the "
         "honest units)",
-        "tests/test_averaging.py (offence rule, reducer replaced then refused); results/security: reducer ×1000 −1.09%",
+        "tests/test_averaging.py (offence rule over a whole slice: an honest member of more steps than the others in a "
+        "swarm's first round is none; reducer replaced then refused); results/security: reducer ×1000 −1.09%",
     ),
     Threshold(
         "MAX_OFFENCES",

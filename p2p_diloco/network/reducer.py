@@ -20,7 +20,7 @@ import asyncio
 import logging
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -36,37 +36,52 @@ logger = logging.getLogger(__name__)
 @dataclass
 class SenderVerdict:
     """What one sender's parts went through in one all-reduce, as this unit reduced them. It ``offended`` when a part
-    was invalid or deviated from the slice's median by more than OFFENCE_RELATIVE × the median's norm, or when it
-    returned an implausible average; a part merely dropped as far is no offence (trust.py)."""
+    was invalid, when its parts deviated from the medians by more than OFFENCE_RELATIVE × the medians' norm over the
+    whole slice (not part by part: a part of zero-initialised parameters has a median near 0 in the first rounds, and
+    an honest member that made more steps than the others deviated 160× from it), or when it returned an implausible
+    average; a part merely dropped as far is no offence (trust.py)."""
 
     parts: int = 0
+    invalid: int = 0
     dropped: int = 0
     clipped: int = 0
     capped: int = 0
     worst_excess: float = 0.0
-    worst_relative: float = 0.0
+    deviation_square: float = 0.0  # over its parts: the squared norm of their deviations from the slice's medians
+    median_square: float = 0.0  # ... and the squared norm of those medians
     implausible_results: int = 0  # averaged parts it returned as a reducer that this unit replaced by its own
-    offended: bool = field(default=False)
 
-    def add(self, invalid: bool, far: bool, clipped: bool, capped: bool, excess: float, relative: float) -> None:
+    def add(self, invalid: bool, far: bool, clipped: bool, capped: bool, excess: float, deviation: float,
+            median_norm: float) -> None:  # fmt: skip
         self.parts += 1
+        self.invalid += invalid
         self.dropped += invalid or far
         self.clipped += clipped
         self.capped += capped
         self.worst_excess = max(self.worst_excess, excess)
-        self.worst_relative = max(self.worst_relative, relative)
-        self.offended = self.offended or invalid or relative > OFFENCE_RELATIVE
+        self.deviation_square += deviation**2
+        self.median_square += median_norm**2
 
     def add_implausible_result(self) -> None:
         self.implausible_results += 1
-        self.offended = True
+
+    @property
+    def relative(self) -> float:
+        """The norm of its parts' deviations over the norm of the medians, over the parts it sent."""
+        if self.median_square > 0:
+            return math.sqrt(self.deviation_square / self.median_square)
+        return math.inf if self.deviation_square > 0 else 0.0
+
+    @property
+    def offended(self) -> bool:
+        return bool(self.invalid or self.implausible_results) or self.relative > OFFENCE_RELATIVE
 
     def summary(self) -> str:
         """What happened to this member's parts and averages, for a log line."""
         said = []
         if self.parts:
             said.append(f"{self.dropped} of {self.parts} parts dropped, {self.clipped} clipped (worst "
-                        f"{self.worst_excess:.1f}x the radius, {self.worst_relative:.2g}x the median's norm), "
+                        f"{self.worst_excess:.1f}x the radius, deviations {self.relative:.2g}x the medians' norm), "
                         f"{self.capped} weights capped")  # fmt: skip
         if self.implausible_results:
             said.append(f"{self.implausible_results} of its averages replaced by this unit's own values")
@@ -129,7 +144,7 @@ class BoundedPartReducer(TensorPartReducer):
                 result = bounded_mean([self._received[i][0] for i in senders], [self._received[i][1] for i in senders])
                 for row, sender in enumerate(senders):
                     flags = (row in result.invalid, row in result.far, row in result.clipped, row in result.capped)
-                    self.verdicts[sender].add(*flags, result.excess[row], result.relative[row])
+                    self.verdicts[sender].add(*flags, result.excess[row], result.deviation[row], result.center_norm)
                 self.current_part_future.set_result(result.value)
             else:
                 self.current_part_future.set_result(torch.zeros(self.part_shapes[self.current_part_index]))
@@ -155,7 +170,6 @@ class BoundedAllReduceRunner(AllReduceRunner):
             for peer, verdict in zip(self.sender_peer_ids, verdicts):
                 if peer in self._verdicts:
                     verdict.implausible_results = self._verdicts[peer].implausible_results
-                    verdict.offended = verdict.offended or bool(verdict.implausible_results)
                     self._verdicts[peer] = verdict
 
         self.tensor_part_reducer = BoundedPartReducer(shapes, len(self.sender_peer_ids), keep)
