@@ -140,3 +140,20 @@ def test_a_unit_publishes_its_probe_and_writes_the_consensus_of_each_census(
     step()
     seen = [(event.units, event.lineages) for event in a.events(events.SwarmConsensus)]
     assert seen == [(1, 1), (2, 2), (2, 1)]
+
+
+def test_a_unit_publishes_its_record_as_soon_as_phi_holds_its_rounds_merge(
+    make_peer: PeerFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Records follow φ: a round's merge publishes the unit's record at once (not PROGRESS_EVERY_S after the last
+    one), with the merged φ's probe, so units that merged together show one model in the census."""
+    monkeypatch.setattr(unit_module, "PROGRESS_EVERY_S", 10**9)  # no record nor census on the timer
+    group = FakeGroup()
+    a, b = (make_peer(name, group, outer__inner_steps=2) for name in ("a", "b"))
+    for _ in range(3):
+        for peer in (a, b):
+            peer.unit.stepped(peer.unit.train_step(peer.batches))
+    assert a.unit.outer_round == b.unit.outer_round == 1
+    published = [a.records.published[-1], b.records.published[-1]]
+    assert [record.outer_round for record in published] == [1, 1]
+    assert published[0].probe == published[1].probe == record_probe(a.unit.state.probe())

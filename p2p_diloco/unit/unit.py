@@ -57,7 +57,11 @@ from p2p_diloco.unit.tracking import UnitCounters, consensus_event, round_event
 logger = logging.getLogger(__name__)
 
 # Every unit's progress record is a DHT store that several DHT nodes handle: with 16 units on one box, publishing every
-# 2 s kept each unit's DHT process at about 0.04 cores (the largest part of its background CPU).
+# 2 s kept each unit's DHT process at about 0.04 cores (the largest part of its background CPU). A unit publishes once
+# per period, as soon as φ holds its round's merge (so the records' probes show one model when the units hold one: with
+# records only every 10 s and 8 s periods, the census of an 8-unit swarm that merged every round in one group of 8
+# counted 2 or 3 lineages most of the time, records a round apart), and at least every PROGRESS_EVERY_S; it reads the
+# census every PROGRESS_EVERY_S.
 PROGRESS_EVERY_S = 10.0
 PROGRESS_TTL_S = 30.0
 
@@ -117,6 +121,7 @@ class LearningUnit:
         self._started = time.monotonic()
         self._progress = ProgressBars(None, enabled=False)
         self._last_progress = 0.0  # when this unit last published its progress record (monotonic)
+        self._last_census = 0.0  # when it last read the census (monotonic)
         self._census_read: PendingProgress | None = None  # the live units' progress records, read without waiting
         self.last_loss = float("nan")
         self.last_group_size = 0
@@ -202,9 +207,10 @@ class LearningUnit:
             self._progress.outer_round(self.outer_round, fragments[-1].group_size, self.evaluator.last_loss)
         self.maybe_begin_round()
         if time.monotonic() - self._last_progress >= PROGRESS_EVERY_S:
-            self.publish("training", wait=False)
+            self._publish_progress()
+        if time.monotonic() - self._last_census >= PROGRESS_EVERY_S:
             self._census_read = self._census_read or self.network.records.read_progress_soon()
-            self._last_progress = time.monotonic()
+            self._last_census = time.monotonic()
         if self._census_read is not None and (live := self._census_read.poll()) is not None:
             self._census_read = None
             if live:  # an empty or failed read keeps the last census; the unit counts itself
@@ -283,6 +289,7 @@ class LearningUnit:
             self._advanced = False
             self.ledger.save(self.ledger_path)
             self._publish_state()
+            self._publish_progress()
             self.network.records.refresh_model_fingerprint(self.loaded.fingerprint)
             self.network.records.publish_membership()
             self._periodic_io()
@@ -328,6 +335,11 @@ class LearningUnit:
         state = self.state
         self.network.state_server.publish(SwarmState(state.global_params, state.momentum, state.fragment_rounds(),
                                                      self.inner_step, self.tokens))  # fmt: skip
+
+    def _publish_progress(self) -> None:
+        """Publish this training unit's progress record without waiting (its φ probe as it is now)."""
+        self.publish("training", wait=False)
+        self._last_progress = time.monotonic()
 
     def publish(self, phase: Phase, wait: bool) -> None:
         """This unit's progress record (the census of departure.py: its phase); stored before returning (at most
