@@ -231,9 +231,9 @@ def measure_run(run_dir: Path, raw: dict[str, Any]) -> dict[str, Any]:
 
 def measured_timings(run_dir: Path, start: float, stop: float) -> dict[str, float]:
     """What the simulator (bench/simulate.py) takes from a measured run between ``start`` and ``stop`` (unix times):
-    the median seconds per inner step, the log-normal spread of the units' step times, the all-reduce time after the
-    scheduled time (groups of two, and per extra member) and the eval pause after a merged round."""
-    step_times, latencies, evals = [], [], []
+    the median seconds per inner step, the log-normal spread of the units' step times and the all-reduce time after
+    the scheduled time (groups of two, and per extra member)."""
+    step_times, latencies = [], []
     for log in sorted(run_dir.glob("unit*/metrics.jsonl")):
         marks = [m for m in read_events(log, InnerStep) if start <= m.time <= stop]
         if len(marks) >= 2:
@@ -244,8 +244,6 @@ def measured_timings(run_dir: Path, start: float, stop: float) -> dict[str, floa
             begin = max((t for t in begins if t <= merged.time), default=None)
             if begin is not None and merged.group_size > 1:
                 latencies.append((merged.group_size, merged.time - begins[begin].scheduled_at))
-        eval_times = [e.time for e in read_events(log, Eval) if e.reason == "outer_round" and start <= e.time <= stop]
-        evals += [min((t - r.time for t in eval_times if t >= r.time), default=0.0) for r in rounds]
     pairs = [seconds for size, seconds in latencies if size == 2] or [s for _, s in latencies]
     slope = statistics.median([(s - statistics.median(pairs)) / (k - 2) for k, s in latencies if k > 2] or [0.0])
     logs = [math.log(t) for t in step_times]
@@ -254,7 +252,6 @@ def measured_timings(run_dir: Path, start: float, stop: float) -> dict[str, floa
         "step_spread": statistics.pstdev(logs) if len(logs) > 1 else 0.0,
         "latency_s": max(0.1, statistics.median(pairs)),
         "latency_per_member_s": max(0.0, slope),
-        "eval_s": statistics.median(evals) if evals else 0.0,
     }
 
 

@@ -6,21 +6,30 @@ on a small vector instead of a model, in simulated time:
 * inner steps: every step (a unit's step time is drawn once from a log-normal around the measured median, and
   jittered per step by ``step_jitter``: the contention of units sharing CPUs), θ ← θ + pull·(target − θ) + noise: all
   units pull toward one common target (the shared signal of their data) and add independent noise (what differs
-  between their data). ``step_jitter`` and ``noise`` (relative to the vector's norm) are the two parameters fitted to
-  one measured swarm (see :func:`calibrate`), to its mean group size and its 90th percentile of pairwise distance;
-* after a merged round the unit pauses ``eval_s`` (the blocking eval of a real unit);
+  between their data); between two steps a unit merges the rounds that ended and begins those due, as a real unit
+  does (so a merge reaches the members up to a step apart);
+* evaluation runs beside the inner steps (unit/evaluation.py): its cost is in the measured step times, it never
+  pauses a unit;
 * matchmaking, emulating hivemind 1.1.12's rule (HIVEMIND.md, trap 4): a unit that begins a round waits in its key
-  (prefix and group bits) until its scheduled time; at the earliest scheduled time among the waiting units, that unit
-  leads a group of the units then waiting in its key for at least ``DISCOVERY_S`` (hivemind's minimum matchmaking
-  time: a unit must have declared itself and been found), earliest scheduled first, up to ``target_group``; the group's
-  all-reduce ends ``latency_s(size)`` later with the weighted mean (position in the group, members' periods and probes
-  as the real averager reports them). A unit alone at its scheduled time completes the round alone (quorum 1);
+  (prefix and group bits: a grid row or column, rounds/grid.py) until its scheduled time; at the earliest scheduled
+  time among the waiting units, that unit leads a group of the units then waiting in its key that could have found it,
+  earliest scheduled first, up to the group's size: a unit that asks hinted leaders (a grid row's or column's earlier
+  units) asks at once, so it needs only to have begun; any other must have waited ``DISCOVERY_S`` (hivemind's minimum
+  matchmaking time: a unit must have declared itself and been found). The group's all-reduce ends ``latency_s(size)``
+  later with the weighted mean (position in the group, members' periods and probes as the real averager reports
+  them). A unit alone at its scheduled time completes the round alone (quorum 1). Each member that could have found
+  the leader misses the group with probability ``miss`` and completes its round alone: what the model leaves out
+  (matchmaking races lost, late requests, failed all-reduces) in one number;
+* fitted to measured swarms: ``step_jitter`` and ``miss`` to one swarm's mean group size and one-model share
+  (:func:`fit_meeting`), ``noise`` (relative to the vector's norm) to the 90th percentile of pairwise distance of one
+  that had lineages (:func:`fit_noise`);
 * churn: units leave at a rate (per hour) and as many join, downloading a random live unit's state.
 
 Measured like the real swarms (bench/scale.py): group sizes per unit and merged round, member drift of groups of two
 or more, pairwise relative distances over time (every second, after the median unit's third round) and at the end
-(among 64 random units in larger swarms),
-bytes sent per unit (hivemind's butterfly all-reduce sends about 2·(k−1)/k of a payload per member of a group of k).
+(among 64 random units in larger swarms), the share of those seconds at which every unit held one model (one lineage
+at 1e-3), the rounds a joiner merged until it was in the largest lineage, and the bytes sent per unit (hivemind's
+butterfly all-reduce sends about 2·(k−1)/k of a payload per member of a group of k).
 """
 
 from __future__ import annotations
@@ -39,7 +48,7 @@ import torch
 
 from bench.scale import percentile
 from p2p_diloco.config import OuterSection
-from p2p_diloco.consensus import pairwise_distances
+from p2p_diloco.consensus import lineage_sizes, pairwise_distances
 from p2p_diloco.diloco import probe_drift, weighted_average
 from p2p_diloco.rounds.averager import GroupRequest, RoundOutcome, check_round_request
 from p2p_diloco.rounds.engine import RoundEngine
@@ -50,6 +59,7 @@ DIMENSION = 256
 SAMPLED_UNITS = 64  # pairwise distances of larger swarms are measured on this many random units
 JITTERS = (0.05, 0.1, 0.2, 0.4, 0.8)  # the candidates calibrate() tries
 NOISES = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32)
+MISSES = (0.0, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32)
 DISCOVERY_S = 1.5  # OuterAverager's min_matchmaking_time: how long a unit takes to be found by the others
 TICK_S = 0.05
 PAYLOAD_BYTES = 953_856 * 4 * 2  # the tiny model's φ and m in fp32: what one fp32 round of a real unit carries
@@ -67,11 +77,11 @@ class SimSpec:
     step_time_s: float = 0.45  # median wall seconds per inner step
     step_spread: float = 0.15  # log-normal sigma of the units' step times
     step_jitter: float = 0.1  # log-normal sigma of one step's time around its unit's
-    eval_s: float = 1.0
     latency_s: float = 1.5  # all-reduce of a group of 2 after its scheduled time
     latency_per_member_s: float = 0.5
     noise: float = 0.02
     pull: float = 0.02
+    miss: float = 0.0
     churn_per_hour: float = 0.0
     seed: int = 0
 
@@ -88,13 +98,20 @@ class _Waiting:
     period_s: float = field(compare=False)
     begun_at: float = field(compare=False, default=0.0)
     group_size: int = field(compare=False, default=0)  # 0: the matchmaker's target
+    hinted: bool = field(compare=False, default=False)  # it asks hinted leaders at once (no DHT lookup to wait for)
+
+    def could_find(self, leader: _Waiting) -> bool:
+        """Whether this unit had begun early enough to ask ``leader`` before the leader's group starts."""
+        return self.begun_at + (0.0 if self.hinted else DISCOVERY_S) <= leader.scheduled_at
 
 
 class Matchmaker:
     """hivemind's group formation as the module docstring states it, in simulated time."""
 
-    def __init__(self, target_group: int, latency_s: float, latency_per_member_s: float):
+    def __init__(self, target_group: int, latency_s: float, latency_per_member_s: float, miss: float,
+                 rng: random.Random):  # fmt: skip
         self.target_group, self.latency_s, self.per_member_s = target_group, latency_s, latency_per_member_s
+        self.miss, self.rng = miss, rng
         self.now = 0.0
         self.waiting: dict[str, list[_Waiting]] = {}
         self.finishing: list[tuple[float, int, SimAverager, RoundOutcome]] = []
@@ -113,10 +130,13 @@ class Matchmaker:
         for entries in self.waiting.values():
             entries.sort()
             while entries and entries[0].scheduled_at <= now:
-                leader, found = entries[0], [entry for entry in entries[1:] if entry.begun_at + DISCOVERY_S <= now]
+                leader = entries[0]
+                found = [entry for entry in entries[1:] if entry.could_find(leader)]
                 group = [leader, *found[: (leader.group_size or self.target_group) - 1]]
                 entries[:] = [entry for entry in entries if entry not in group]
-                self._form(group)
+                missed = [entry for entry in group[1:] if self.rng.random() < self.miss]
+                for alone in [[entry] for entry in missed] + [[entry for entry in group if entry not in missed]]:
+                    self._form(alone)
         while self.finishing and self.finishing[0][0] <= now:
             _, _, averager, outcome = heapq.heappop(self.finishing)
             averager.outcome = outcome
@@ -161,7 +181,7 @@ class SimAverager:
         self.in_flight = True
         entry = _Waiting(self.matchmaker.now + window_s, next(self.matchmaker._order), self,
                          [tensor.clone() for tensor in proposal], float(weight), outer_round, list(probe), period_s,
-                         self.matchmaker.now, group.size)  # fmt: skip
+                         self.matchmaker.now, group.size, bool(group.leaders))  # fmt: skip
         self.matchmaker.join(f"{self.key}.0b{group.subgroup}", entry)
         return True
 
@@ -187,6 +207,8 @@ class SimUnit:
     step_time_s: float
     next_step_at: float
     joined_at: float
+    catching_up: bool = False  # a joiner not yet seen in the largest lineage
+    rounds_at_join: int = 0  # its outer round once it loaded its donor's state
 
 
 class Simulation:
@@ -199,11 +221,13 @@ class Simulation:
         outer = OuterSection(inner_steps=spec.inner_steps, target_group_size=max(2, spec.target_group),
                              schedule=spec.schedule, settle_rounds=0)  # fmt: skip
         self.plan = RoundPlan.from_config(outer, [(DIMENSION,)])
-        self.matchmaker = Matchmaker(spec.target_group, spec.latency_s, spec.latency_per_member_s)
+        self.matchmaker = Matchmaker(spec.target_group, spec.latency_s, spec.latency_per_member_s, spec.miss,
+                                     random.Random(spec.seed + 1))  # fmt: skip
         self.target = torch.randn(DIMENSION, generator=self.generator)
         self.start = torch.randn(DIMENSION, generator=self.generator)
         self.units: list[SimUnit] = []
         self.left_bytes = 0.0
+        self.catch_up_rounds: list[int] = []  # per joiner: its merged rounds until it was in the largest lineage
         self.joined = 0  # units created so far (each unit's peer id is its number)
         for _ in range(spec.units):
             self.units.append(self._new_unit(0.0, None))
@@ -217,7 +241,8 @@ class Simulation:
             donor_state = donor.engine.state
             engine.state.load_state(donor_state.global_params, donor_state.momentum, donor_state.fragment_rounds())
         step = self.spec.step_time_s * math.exp(self.rng.gauss(0.0, self.spec.step_spread))
-        return SimUnit(engine, averager, step, now + self.rng.uniform(0, step), now)
+        return SimUnit(engine, averager, step, now + self.rng.uniform(0, step), now, donor is not None,
+                       engine.outer_round)  # fmt: skip
 
     def _inner_step(self, unit: SimUnit) -> None:
         theta = unit.engine.state.local[0]
@@ -238,6 +263,7 @@ class Simulation:
     def run(self) -> dict[str, Any]:
         spec, now = self.spec, 0.0
         samples: list[tuple[float, list[float]]] = []
+        one_model: list[tuple[float, bool]] = []
         sizes: Counter[int] = Counter()
         drifts: list[float] = []
         third_round: list[float] = []
@@ -251,10 +277,16 @@ class Simulation:
                 unit.engine.census = census
                 self._tick(unit, now, sizes, drifts, third_round)
             if now >= next_sample:
-                samples.append((now, pairwise_distances(self._sampled_phis())))
+                phis = self._sampled_phis()
+                distances = pairwise_distances(phis)
+                lineages = lineage_sizes(len(phis), distances)
+                self._catch_up(phis, lineages)
+                samples.append((now, distances))
+                one_model.append((now, len(lineages) == 1))
                 next_sample += 1.0
         settled = statistics.median(third_round) if third_round else 0.0
         during = [d for t, distances in samples if t >= settled for d in distances]
+        after = [held for t, held in one_model if t >= settled]
         final = pairwise_distances(self._sampled_phis())
         sent = [unit.averager.sent_bytes for unit in self.units]
         return {
@@ -263,9 +295,26 @@ class Simulation:
             "mean_group": sum(k * v for k, v in sizes.items()) / max(1, sum(sizes.values())),
             "member_drift": {"p50": percentile(drifts, 0.5), "p90": percentile(drifts, 0.9)},
             "distance_during": {"p50": percentile(during, 0.5), "p90": percentile(during, 0.9)},
+            "one_model_share": sum(after) / len(after) if after else None,
+            "catch_up_rounds": {
+                "joins": sum(unit.catching_up for unit in self.units) + len(self.catch_up_rounds),
+                "p50": percentile(self.catch_up_rounds, 0.5),
+                "max": max(self.catch_up_rounds, default=None),
+                "never": sum(unit.catching_up for unit in self.units),
+            },
             "final_max_distance": max(final, default=0.0),
             "bytes_sent_per_unit_per_hour": statistics.median(sent) * 3600.0 / spec.duration_s if sent else 0.0,
         }
+
+    def _catch_up(self, phis: list[torch.Tensor], lineages: list[int]) -> None:
+        """A joiner still catching up is done once it stands in the largest lineage of the sampled units (``phis``,
+        whose lineages are ``lineages``) and itself."""
+        for unit in self.units:
+            if unit.catching_up:
+                own = unit.engine.state.global_params[0]
+                if lineage_sizes(len(phis) + 1, pairwise_distances([own, *phis]))[0] > lineages[0]:
+                    unit.catching_up = False
+                    self.catch_up_rounds.append(unit.engine.outer_round - unit.rounds_at_join)
 
     def _sampled_phis(self) -> list[torch.Tensor]:
         """φ of every unit, or of SAMPLED_UNITS random ones in a larger swarm (the pairwise measures' sample)."""
@@ -273,7 +322,10 @@ class Simulation:
         return [unit.engine.state.global_params[0] for unit in units]
 
     def _tick(self, unit: SimUnit, now: float, sizes: Counter[int], drifts: list[float], third: list[float]) -> None:
+        if now < unit.next_step_at:
+            return
         engine = unit.engine
+        self._inner_step(unit)
         for end in engine.poll():
             if end.kind is RoundKind.FRAGMENT and end.merged:
                 sizes[end.group_size] += 1
@@ -281,10 +333,6 @@ class Simulation:
                     drifts.append(end.member_drift)
                 if engine.outer_round == 3:
                     third.append(now)
-                unit.next_step_at = max(unit.next_step_at, now + self.spec.eval_s)
-        if now < unit.next_step_at:
-            return
-        self._inner_step(unit)
         unit.next_step_at = now + unit.step_time_s * math.exp(self.rng.gauss(0.0, self.spec.step_jitter))
         for begin in engine.begin_due(unit.step_time_s, now):
             assert begin.status is not RoundStatus.RESET
@@ -313,25 +361,51 @@ def simulate(spec: SimSpec, repeats: int = 3) -> dict[str, Any]:
         "distance_during": {
             "p50": median_of(("distance_during", "p50")),
             "p90": median_of(("distance_during", "p90")),
-        },  # fmt: skip
+        },
+        "one_model_share": median_of(("one_model_share",)),
+        "catch_up_rounds": {
+            "joins": sum(run["catch_up_rounds"]["joins"] for run in runs),
+            "p50": median_of(("catch_up_rounds", "p50")),
+            "max": max((run["catch_up_rounds"]["max"] or 0 for run in runs), default=None),
+            "never": sum(run["catch_up_rounds"]["never"] for run in runs),
+        },
         "final_max_distance": median_of(("final_max_distance",)),
         "bytes_sent_per_unit_per_hour": median_of(("bytes_sent_per_unit_per_hour",)),
     }
 
 
 # ------------------------------------------------------------------------------------------------- calibration
-def calibrate(spec: SimSpec, mean_group: float, distance_p90: float) -> SimSpec:
-    """``spec`` with the ``step_jitter`` whose simulated mean group size is nearest ``mean_group``, then the ``noise``
-    whose simulated 90th percentile of pairwise distance (after round 3) is nearest ``distance_p90`` on a log scale:
-    the two parameters fitted to one measured swarm (the median distance is often ~0: units agree most of the time)."""
+def fit_meeting(spec: SimSpec, mean_group: float, one_model_share: float) -> SimSpec:
+    """``spec`` with the ``step_jitter`` and ``miss`` whose simulated mean group size and one-model share are together
+    nearest ``mean_group`` and ``one_model_share`` of a measured swarm (relative errors added)."""
 
-    def group_error(jitter: float) -> float:
-        return abs(simulate(replace(spec, step_jitter=jitter), repeats=2)["mean_group"] - mean_group)
+    def error(candidate: tuple[float, float]) -> float:
+        jitter, miss = candidate
+        figures = simulate(replace(spec, step_jitter=jitter, miss=miss), repeats=2)
+        share = figures["one_model_share"] or 0.0
+        return abs(figures["mean_group"] / mean_group - 1) + abs(share / max(one_model_share, 1e-9) - 1)
 
-    spec = replace(spec, step_jitter=min(JITTERS, key=group_error))
+    jitter, miss = min(itertools.product(JITTERS, MISSES), key=error)
+    return replace(spec, step_jitter=jitter, miss=miss)
 
-    def distance_error(noise: float) -> float:
+
+def implied_miss(spec: SimSpec, one_model_share: float) -> float:
+    """The ``miss`` (of MISSES) whose simulated one-model share is nearest a measured swarm's, ``spec`` otherwise
+    unchanged: how much more the model leaves out in that swarm than in the one it was fitted to."""
+
+    def error(miss: float) -> float:
+        return abs((simulate(replace(spec, miss=miss), repeats=2)["one_model_share"] or 0.0) - one_model_share)
+
+    return min(MISSES, key=error)
+
+
+def fit_noise(spec: SimSpec, distance_p90: float) -> SimSpec:
+    """``spec`` with the ``noise`` whose simulated 90th percentile of pairwise distance (after round 3) is nearest
+    ``distance_p90`` on a log scale: fitted to a swarm that had lineages (in one that held one model the distance is
+    rounding, about 1e-9, whatever the noise)."""
+
+    def error(noise: float) -> float:
         p90 = simulate(replace(spec, noise=noise), repeats=2)["distance_during"]["p90"]
         return abs(math.log(max(p90 or 1e-12, 1e-12) / distance_p90))
 
-    return replace(spec, noise=min(NOISES, key=distance_error))
+    return replace(spec, noise=min(NOISES, key=error))
