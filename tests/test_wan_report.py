@@ -23,6 +23,7 @@ from bench.wan.report import (
     deeper_target_loss,
     default_target_loss,
     eval_bracket,
+    exit_share,
     judge_targets,
     link_use,
     method_row,
@@ -120,6 +121,17 @@ def test_link_use_counts_the_whole_sampled_span_and_the_peak_over_one_second_win
     assert link_use(samples, "unit2") is None
 
 
+def test_exit_bytes_are_what_crossed_after_the_last_inner_step_and_their_share_counts_every_unit() -> None:
+    samples = [sample(10.0, "unit0", 0, 0), sample(11.0, "unit0", 1_000, 50), sample(13.0, "unit0", 1_500, 4_050)]
+    samples.append(sample(10.0, "unit1", 7, 7))
+    assert link_use(samples, "unit0", last_step_at=11.0) == LinkUse(1_500, 4_050, 16_000.0, 500 + 4_000)
+    assert link_use(samples, "unit0", last_step_at=99.0) == LinkUse(1_500, 4_050, 16_000.0, 0)  # stepped to the end
+    exiting = link_use(samples, "unit0", last_step_at=11.0)
+    units = [UnitWan(0, None, exiting), UnitWan(1, None, LinkUse(450, 0, None, 0))]
+    assert exit_share(units) == 4_500 / (1_500 + 4_050 + 450)
+    assert exit_share([*units, UnitWan(2, None, LinkUse(1, 1, None))]) is None  # a unit without a step: not measured
+
+
 def test_rows_report_bytes_per_step_utilisation_and_every_ratio_to_sync_dp() -> None:
     dp = result("sync-dp", [(0.0, 0, 6.0), (100.0, 1_000, 5.0), (200.0, 2_000, 4.8)])
     ours = result("ours-streaming", [(0.0, 0, 6.0), (4.0, 1_000, 5.05), (5.0, 3_000, 4.0)])
@@ -156,6 +168,7 @@ def test_rows_report_bytes_per_step_utilisation_and_every_ratio_to_sync_dp() -> 
         "tx_bytes": None,
         "rx_bytes": None,
         "peak_bps": None,
+        "exit_bytes": None,
         "tx_bytes_per_step": None,
         "rx_bytes_per_step": None,
     }

@@ -91,24 +91,38 @@ def unit_span(marks: Sequence[InnerStep], stops: Sequence[Stop]) -> StepSpan | N
 
 @dataclass(frozen=True)
 class LinkUse:
-    """What crossed one node's link over the whole sampled span, and its highest rate either way."""
+    """What crossed one node's link over the whole sampled span, and its highest rate either way; ``exit_bytes``:
+    both ways, after the node's last logged inner step (its exit: final and settle rounds, last records)."""
 
     tx_bytes: int
     rx_bytes: int
     peak_bps: float | None  # None: the samples span less than one window
+    exit_bytes: int | None = None  # None: no inner step logged
 
 
-def link_use(samples: Sequence[LinkBytes], node: str, window_s: float = PEAK_WINDOW_S) -> LinkUse | None:
-    """``node``'s :class:`LinkUse` from link samples; None when it has no sample."""
+def link_use(
+    samples: Sequence[LinkBytes], node: str, window_s: float = PEAK_WINDOW_S, last_step_at: float | None = None
+) -> LinkUse | None:
+    """``node``'s :class:`LinkUse` from link samples (exit bytes counted from ``last_step_at``, unix seconds, when
+    given); None when it has no sample."""
     times = [sample.time for sample in samples if sample.node == node]
     if not times:
         return None
     tx_bytes, rx_bytes = bytes_between(samples, node, min(times), max(times))
+    exit_bytes = None
+    if last_step_at is not None:
+        exit_bytes = sum(bytes_between(samples, node, min(max(times), max(min(times), last_step_at)), max(times)))
     try:
         peak: float | None = peak_rate_bps(samples, node, window_s)
     except ValueError:
         peak = None
-    return LinkUse(tx_bytes, rx_bytes, peak)
+    return LinkUse(tx_bytes, rx_bytes, peak, exit_bytes)
+
+
+def last_step_at(metrics: Path) -> float | None:
+    """When a unit or rank logged its last step (None: none logged)."""
+    times = [event.time for event in [*read_events(metrics, RankStep), *read_events(metrics, InnerStep)]]
+    return max(times, default=None)
 
 
 @dataclass(frozen=True)
@@ -139,9 +153,10 @@ class UnitWan:
 def read_units(run_dir: Path, units: int) -> list[UnitWan]:
     """Every unit slot of a method's run folder (a missing log or sample file gives None parts)."""
     samples = read_samples(run_dir / LINKS_FILE)
+    logs = [run_dir / f"unit{unit}" / "metrics.jsonl" for unit in range(units)]
     return [
-        UnitWan(unit, step_span(run_dir / f"unit{unit}" / "metrics.jsonl"), link_use(samples, f"unit{unit}"))
-        for unit in range(units)
+        UnitWan(unit, step_span(log), link_use(samples, f"unit{unit}", last_step_at=last_step_at(log)))
+        for unit, log in enumerate(logs)
     ]
 
 
@@ -249,12 +264,23 @@ def method_row(
         "tx_bytes_per_step": _max([unit.per_step("tx") for unit in units]),
         "rx_bytes_per_step": _max([unit.per_step("rx") for unit in units]),
         "peak_bps": _max([unit.link.peak_bps if unit.link else None for unit in units]),
+        "exit_share": exit_share(units),
         "eval_loss_at_equal_tokens": loss_at_tokens(result, tokens) if tokens is not None else None,
         "equal_tokens_between_evals": eval_bracket(result, tokens) if tokens is not None else None,
         "final_eval_loss": result.final_eval_loss,
         "units": [unit.to_dict() for unit in units],
         "summary": method_summary(result, tokens),
     }
+
+
+def exit_share(units: Sequence[UnitWan]) -> float | None:
+    """The share of all the units' link bytes (both ways) that crossed after their last inner step (None: not
+    measured for every unit)."""
+    links = [unit.link for unit in units]
+    if not links or any(link is None or link.exit_bytes is None for link in links):
+        return None
+    whole = sum(link.tx_bytes + link.rx_bytes for link in links if link is not None)
+    return sum(link.exit_bytes or 0 for link in links if link is not None) / whole if whole else None
 
 
 def compare(rows: Sequence[dict[str, Any]]) -> None:
@@ -370,6 +396,9 @@ DEFINITIONS = f"""\
   headers, sampled every 0.5 s) over the method's whole run, divided by the unit's inner steps; the highest unit is
   shown. tx is what it sent, rx what it received.
 - Peak link rate: the highest rate either way over {PEAK_WINDOW_S:.0f} s windows, highest unit.
+- Bytes after the last inner step: what crossed every unit's link, both ways, after its last logged inner step (the
+  exit: final and settle rounds, last records; ours logs every 10th step, so up to 10 steps of training count too),
+  over all its link bytes.
 - Eval loss at equal tokens: linear interpolation of each method's eval curve at the largest token count every
   method's consensus model reached (tokens whose update is in the consensus model, all units together), compared
   with data-parallel's. When dp-reference ran (sync-dp's math on 127.0.0.1 without rate limit: the same loss per
@@ -390,8 +419,8 @@ def markdown_table(rows: Sequence[Mapping[str, Any]], target_loss: float | None,
         f"| method | inner steps (all units) | time to loss {target} (s) | speed-up vs sync-dp "
         f"| compute utilisation min / median | tx bytes per inner step | rx bytes per inner step "
         f"| sync-dp bytes / method bytes | peak link rate (Mbit/s) | eval loss at {tokens or 'n/a'} tokens "
-        f"| vs data-parallel | final eval loss |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        f"| vs data-parallel | final eval loss | bytes after the last inner step |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in rows:
         lines.append(
@@ -401,7 +430,7 @@ def markdown_table(rows: Sequence[Mapping[str, Any]], target_loss: float | None,
             f"| {_cell(row['tx_bytes_per_step'], ',.0f')} | {_cell(row['rx_bytes_per_step'], ',.0f')} "
             f"| {_cell(row['bytes_ratio_vs_sync_dp'], ',.1f', suffix='×')} | {_cell(row['peak_bps'], '.2f', 1e-6)} "
             f"| {_cell(row['eval_loss_at_equal_tokens'], '.4f')} | {_cell(row['loss_vs_sync_dp'], '+.2%')} "
-            f"| {_cell(row['final_eval_loss'], '.4f')} |"
+            f"| {_cell(row['final_eval_loss'], '.4f')} | {_cell(row.get('exit_share'), '.1%')} |"
         )
     return "\n".join(lines)
 
