@@ -23,7 +23,8 @@ on a small vector instead of a model, in simulated time:
 * fitted to measured swarms: ``step_jitter`` and ``miss`` to one swarm's mean group size and one-model share
   (:func:`fit_meeting`), ``noise`` (relative to the vector's norm) to the 90th percentile of pairwise distance of one
   that had lineages (:func:`fit_noise`);
-* churn: units leave at a rate (per hour) and as many join, downloading a random live unit's state.
+* churn: ``churn_per_hour`` percent of the units leave per hour and as many join, each downloading a random live
+  unit's state.
 
 Measured like the real swarms (bench/scale.py): group sizes per unit and merged round, member drift of groups of two
 or more, pairwise relative distances over time (every second, after the median unit's third round) and at the end
@@ -82,7 +83,7 @@ class SimSpec:
     noise: float = 0.02
     pull: float = 0.02
     miss: float = 0.0
-    churn_per_hour: float = 0.0
+    churn_per_hour: float = 0.0  # percent of the units per hour
     seed: int = 0
 
 
@@ -251,9 +252,13 @@ class Simulation:
         theta.add_(self.spec.pull * (self.target - theta) + noise)
         unit.engine.record_step(512, unit.step_time_s)
 
+    @property
+    def leave_probability(self) -> float:
+        """The chance that a unit leaves (and one joins) in one tick."""
+        return self.spec.churn_per_hour / 100.0 * len(self.units) * TICK_S / 3600.0
+
     def _churn(self, now: float) -> None:
-        rate = self.spec.churn_per_hour * len(self.units) * TICK_S / 3600.0
-        if self.units and self.rng.random() < rate:
+        if self.units and self.rng.random() < self.leave_probability:
             leaving = self.units.pop(self.rng.randrange(len(self.units)))
             leaving.averager.shutdown()
             self.left_bytes += leaving.averager.sent_bytes

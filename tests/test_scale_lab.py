@@ -11,7 +11,7 @@ import torch
 
 from bench.quality import EvalPoint, Method, MethodResult
 from bench.scale import one_model_share, percentile, timeline
-from bench.simulate import Matchmaker, SimAverager, SimSpec, Simulation
+from bench.simulate import TICK_S, Matchmaker, SimAverager, SimSpec, Simulation
 from bench.swarm_quality import loss_at, read_swarm
 from p2p_diloco.rounds.averager import GroupRequest
 from p2p_diloco.rounds.grid import Leader
@@ -84,6 +84,13 @@ def test_a_unit_asking_hinted_leaders_needs_only_to_have_begun_and_a_miss_leaves
         matchmaker.advance(now)
     outcomes = [leader.poll(), late.poll()]
     assert [outcome.group_size for outcome in outcomes if outcome is not None] == sizes
+
+
+def test_churn_is_a_percentage_of_the_units_per_hour() -> None:
+    """10 %/h of 360 units: 36 leave (and as many join) per hour, one every 100 s (a bug had taken 10 %/h as 10 per
+    unit per hour: 100 times too many joins in the predictions)."""
+    simulation = Simulation(SimSpec(units=360, target_group=8, churn_per_hour=10.0))
+    assert simulation.leave_probability * 3600 / TICK_S == pytest.approx(36)
 
 
 @pytest.mark.parametrize("schedule", ["steps", "clock"])
