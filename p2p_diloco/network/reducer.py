@@ -7,7 +7,8 @@ each sender's part with the weight the sender states. :class:`BoundedAllReduceRu
 :class:`BoundedPartReducer`, which keeps hivemind's ordering, failure and ban logic and changes only how one slice is
 combined once every live sender's part arrived. Each averaged part another member returns (as the difference from
 what this unit sent it) must have the shape sent, be finite, and have an RMS within OFFENCE_RELATIVE × that of the
-slice sent to that member (trust.py ``within``); an implausible one is replaced by zeros (this unit keeps its own
+slice sent to that member or of the members' payloads for this unit's own slice, whichever is larger (trust.py
+``within``); an implausible one is replaced by zeros (this unit keeps its own
 values of that part, as hivemind does for a reducer that failed), the others are used. The exchange on the wire is
 unchanged (no extra bytes); the cost is buffering one slice of every sender and a median over them. An all-reduce
 that ends with parts missing (a timeout, a member gone) logs which members did not send their parts or return their
@@ -19,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -102,6 +104,8 @@ class BoundedPartReducer(TensorPartReducer):
     ) -> None:
         self.verdicts = [SenderVerdict() for _ in range(num_senders)]
         self._received: dict[int, tuple[torch.Tensor, float]] = {}
+        self._squares = [0.0] * num_senders  # per sender: the sum of squares and count of the values it sent
+        self._values = [0] * num_senders
         self._on_finished = on_finished
         super().__init__(part_shapes, num_senders)
 
@@ -132,9 +136,17 @@ class BoundedPartReducer(TensorPartReducer):
         current_part_future = self.current_part_future
         if part_index < self.sender_failed_after[sender_index]:
             self._received[sender_index] = (tensor_part, float(weight))
+            self._squares[sender_index] += float(tensor_part.double().square().sum())
+            self._values[sender_index] += tensor_part.numel()
             self.current_part_accumulated_from += 1
             self.check_current_part_finished()
         return await current_part_future
+
+    def typical_rms(self) -> float:
+        """The median over the senders of the RMS of the values each sent for this unit's slice so far (0 before any
+        arrived): the scale of the members' payloads, which one sender cannot set."""
+        sent = [math.sqrt(square / values) for square, values in zip(self._squares, self._values) if values]
+        return statistics.median(sent) if sent else 0.0
 
     def check_current_part_finished(self) -> None:
         assert self.current_part_accumulated_from <= self.num_current_senders
@@ -172,7 +184,8 @@ class BoundedAllReduceRunner(AllReduceRunner):
                     verdict.implausible_results = self._verdicts[peer].implausible_results
                     self._verdicts[peer] = verdict
 
-        self.tensor_part_reducer = BoundedPartReducer(shapes, len(self.sender_peer_ids), keep)
+        self._own_reducer = BoundedPartReducer(shapes, len(self.sender_peer_ids), keep)
+        self.tensor_part_reducer = self._own_reducer
         register = self.tensor_part_container.register_processed_part
 
         def register_plausible(peer_index: int, part_index: int, delta: torch.Tensor) -> None:
@@ -214,8 +227,11 @@ class BoundedAllReduceRunner(AllReduceRunner):
 
     def _plausible(self, peer_index: int, part_index: int, delta: Any) -> bool:
         """Whether a member's averaged part (as a difference from what this unit sent it) can be used: the shape
-        sent, finite, an RMS of at most OFFENCE_RELATIVE × that of the whole slice sent to it (any finite one
-        when that slice was all zeros)."""
+        sent, finite, an RMS of at most OFFENCE_RELATIVE × the larger of that of the whole slice sent to it and the
+        typical RMS of what the members sent for this unit's own slice (any finite one when both are 0). The second:
+        a unit that made one warm-up step since its round sent pseudo-gradients far smaller than the others', and the
+        honest average another member returned was judged implausible; at exit its settle rounds then shunned that
+        member, who left apart (the emulated-WAN benchmark)."""
         sent = self._sent_part(peer_index, part_index)
         if not isinstance(delta, torch.Tensor) or delta.shape != sent.shape or not bool(delta.isfinite().all()):
             return False
@@ -224,7 +240,7 @@ class BoundedAllReduceRunner(AllReduceRunner):
             squares = sum(float(part.double().square().sum()) for part, _ in slice_parts)
             self._sent_rms[peer_index] = math.sqrt(squares / max(1, sum(part.numel() for part, _ in slice_parts)))
         rms = float(delta.double().square().mean().sqrt()) if delta.numel() else 0.0
-        return within(rms, self._sent_rms[peer_index], OFFENCE_RELATIVE)
+        return within(rms, max(self._sent_rms[peer_index], self._own_reducer.typical_rms()), OFFENCE_RELATIVE)
 
     def finalize(self, *, cancel: bool = False, exception: BaseException | None = None) -> None:
         """hivemind's, then the verdicts go to ``on_verdicts`` (once, however the all-reduce ended); the members whose
