@@ -9,7 +9,7 @@ import torch
 from fakes import FakeGroup, TimedGroup, clone_all
 
 from p2p_diloco.config import OuterSection
-from p2p_diloco.rounds.averager import GroupRequest
+from p2p_diloco.rounds.averager import GroupRequest, RoundOutcome
 from p2p_diloco.rounds.clock import ADOPT_ROUNDS, RoundClock, next_boundary, power_of_two_period
 from p2p_diloco.rounds.departure import settle_period_s, settle_window_s, together_boundary
 from p2p_diloco.rounds.engine import RoundEngine
@@ -109,6 +109,23 @@ def step(engine: RoundEngine, amount: float) -> None:
         for tensor in engine.state.local:
             tensor.add_(amount)
     engine.record_step(TOKENS, 0.1)
+
+
+@pytest.mark.parametrize(("error", "busy_s", "period_s"), [(None, 30.0, 32.0), ("AllreduceException", 1.0, 2.0)])
+def test_a_round_that_ended_in_an_error_cannot_stretch_the_period_beyond_h_steps(
+    error: str | None, busy_s: float, period_s: float
+) -> None:
+    """A round that took 30 s after its boundary: when it completed, rounds need that long and the period grows to
+    hold it; when its all-reduce ended in an error (a timed-out member, measured: 8 units went to 64-128 s periods
+    after one), it counts at most as long as H inner steps take (here 10 × 0.1 s), or the busy time measured before."""
+    plan = plan_of(inner_steps=10, min_window_s=1.0, max_window_s=1.0)
+    schedule = ClockSchedule(plan, plan.clock(), "u0")  # type: ignore[arg-type]
+    schedule.fragments_due([], set(), 1, 0.1, 100.0, {})  # a step time measured: the clock has a period
+    schedule.last_boundary[0] = 100.0
+    alone = RoundOutcome([torch.zeros(1)], 1, 0, 1.0, 100.0, 130.0, error=error)
+    schedule.fragment_ended(0, alone)
+    schedule.fragments_due([], set(), 1, 0.1, 130.0, {})
+    assert schedule.busy_s == busy_s and schedule.period_s == period_s
 
 
 def test_units_of_different_speeds_meet_at_every_boundary_of_the_shared_clock() -> None:

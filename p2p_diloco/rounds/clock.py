@@ -7,7 +7,10 @@ fell from 5.5 to 2.6 over a 180 s run). Here every round begins at a *boundary* 
 
 * a unit's round period T is the power of two (in seconds) nearest H × its measured inner-step time, with hysteresis,
   and at least what one round keeps the unit busy (the time from a boundary until the unit could begin its next
-  round: all-reduce, merge; and the minimum window before the next), twice that with a mix round per period;
+  round: all-reduce, merge; and the minimum window before the next), twice that with a mix round per period; a round
+  that ended in an error counts at most as long as H inner steps take (or the busy time measured before): an
+  all-reduce that waited out its timeout for a member that froze or left had doubled the period at every such round
+  (8 units went to 64- and 128-s periods and were one model 0% of the time);
   boundaries of fragment p of P are the times n·T + p·T/P (seconds since the epoch, n an integer).
 * Every unit due at a boundary schedules its all-reduce at that boundary (plus its place's offset in the round's
   layout, grid.py, which draws the groups anew every round), so every reachable unit meets at every boundary,

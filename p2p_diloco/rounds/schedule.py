@@ -152,7 +152,7 @@ class ClockSchedule(StepSchedule):
         self.last_cell: list[GridCell | None] = [None] * len(plan.fragments)  # per fragment, its last round's cell
         self.busy_s: float | None = None  # how long after its boundary a round kept the unit
         self.mix_due: dict[int, MixDue] = {}  # fragment → its mix round to begin
-        self._ended_since_look: set[int] = set()  # fragments whose round ended since the last look
+        self._ended_since_look: dict[int, bool] = {}  # fragments whose round ended since the last look → without error
 
     @property
     def period_s(self) -> float | None:
@@ -178,9 +178,11 @@ class ClockSchedule(StepSchedule):
                       now: float, census: dict[str, float]) -> list[Due]:  # fmt: skip
         if step_time_s is None:  # the clock needs a step time: H own steps until then
             return super().fragments_due(fragments, busy, free, step_time_s, now, census)
-        for number in self._ended_since_look:
+        for number, clean in self._ended_since_look.items():
             if math.isfinite(self.last_boundary[number]):
                 busy_s = max(0.0, now - self.last_boundary[number])
+                if not clean:  # a member timed out or failed: that says nothing of how long rounds need
+                    busy_s = min(busy_s, max(self.busy_s or 0.0, self.plan.inner_steps * step_time_s))
                 decayed = busy_s if self.busy_s is None else self.busy_s + BUSY_DECAY * (busy_s - self.busy_s)
                 self.busy_s = max(busy_s, decayed)  # up at once, down slowly: the period does not flap
         self._ended_since_look.clear()
@@ -213,7 +215,7 @@ class ClockSchedule(StepSchedule):
     def fragment_ended(self, number: int, merged: RoundOutcome | None) -> None:
         """Follow the members' period, and queue the fragment's mix round half a period after the round's boundary,
         in this unit's column of the round's layout, carrying its share of its row's weight."""
-        self._ended_since_look.add(number)
+        self._ended_since_look[number] = merged is not None and merged.error is None
         if merged is None or self.clock.period_s is None:
             return
         self.clock.adopt(merged.member_periods)
