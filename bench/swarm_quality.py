@@ -172,3 +172,11 @@ def plot(report: dict[str, Any], path: Path) -> None:
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
+
+
+def write_report(report: dict[str, Any], out: Path) -> None:
+    """swarm_quality.json, .md and .png of ``report`` in ``out`` (made if missing)."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "swarm_quality.json").write_text(json.dumps(report, indent=1) + "\n")
+    (out / "swarm_quality.md").write_text(markdown(report))
+    plot(report, out / "swarm_quality.png")

@@ -11,7 +11,6 @@ Writes swarm_quality.json, swarm_quality.md and swarm_quality.png to --out.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import shlex
 import sys
@@ -21,7 +20,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the laboratory, bench/, lives in the checkout
 
-from bench.swarm_quality import comparison, in_process, markdown, plot, read_swarm  # noqa: E402
+from bench.swarm_quality import comparison, in_process, read_swarm, write_report  # noqa: E402
 
 
 def main() -> int:
@@ -43,10 +42,7 @@ def main() -> int:
         runs.append(comparison(swarm, in_process(swarm, args.seed)))
     environment = f"{platform.node()}: {platform.processor() or platform.machine()}, Python {platform.python_version()}"
     report = {"command": shlex.join([Path(sys.executable).name, *sys.argv]), "environment": environment, "runs": runs}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "swarm_quality.json").write_text(json.dumps(report, indent=1) + "\n")
-    (args.out / "swarm_quality.md").write_text(markdown(report))
-    plot(report, args.out / "swarm_quality.png")
+    write_report(report, args.out)
     print((args.out / "swarm_quality.md").read_text())
     return 0
 
