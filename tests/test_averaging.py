@@ -329,6 +329,22 @@ def test_a_pair_with_a_member_that_offended_in_its_window_is_left() -> None:
     assert not GatedAverager._pairs_with_an_offender(judge, ["QmNoisy"])  # type: ignore[arg-type,list-item]
 
 
+def test_shutdown_cancels_the_all_reduces_in_flight() -> None:
+    """hivemind 1.1.12's shutdown called ``finalize`` on the futures of its running groups (AttributeError at every
+    exit with a round in flight); the mended one cancels each runner that is known and skips the others."""
+    cancelled: list[bool] = []
+
+    async def shut_down() -> None:
+        known, forming, failed = (asyncio.get_running_loop().create_future() for _ in range(3))
+        known.set_result(SimpleNamespace(finalize=lambda cancel: cancelled.append(cancel)))
+        failed.set_exception(RuntimeError("matchmaking failed"))
+        averager = SimpleNamespace(client_mode=True, _running_groups={b"a": known, b"b": forming, b"c": failed})
+        await GatedAverager._shutdown(averager, timeout=None)  # type: ignore[arg-type]
+
+    asyncio.run(shut_down())
+    assert cancelled == [True]
+
+
 def test_a_member_is_refused_after_max_offences_in_its_window_and_only_then() -> None:
     """The policy of ``GatedAverager._judge``: clipped or capped parts are logged only; a member that offended
     (parts dropped as invalid or far off, implausible averages) is refused once MAX_OFFENCES of its last
