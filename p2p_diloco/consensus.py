@@ -36,9 +36,11 @@ class SwarmConsensus:
     units: int
 
     def described(self, who: str) -> str:
-        """For a person: ``<units> <who> hold <n> models (consensus distance <d>)``."""
+        """For a person: ``<units> <who> hold <n> models (consensus distance <d>)``; ``who`` is plural ("training
+        units"), and one unit reads "1 training unit holds"."""
         models = "one model" if self.lineages == 1 else f"{self.lineages} models"
-        return f"{self.units} {who} hold {models} (consensus distance {self.distance:.2g})"
+        counted = f"1 {who.removesuffix('s')} holds" if self.units == 1 else f"{self.units} {who} hold"
+        return f"{counted} {models} (consensus distance {self.distance:.2g})"
 
 
 def record_probe(probe: Sequence[float], size: int = RECORD_PROBE_SIZE) -> list[float]:

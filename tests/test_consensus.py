@@ -114,6 +114,8 @@ def test_the_console_says_when_the_number_of_models_changes_and_the_trackers_get
     said = [record.getMessage() for record in caplog.records]
     assert said == ["swarm: 8 training units hold 3 models (consensus distance 0.1)",
                     "swarm: 8 training units hold one model (consensus distance 1e-09)"]  # fmt: skip
+    alone = SwarmConsensus(0.0, 1, 1).described("training units")
+    assert alone == "1 training unit holds one model (consensus distance 0)"
     scalars = event_scalars(events.SwarmConsensus(distance=0.25, lineages=2, units=4))
     assert scalars == {"swarm/consensus_distance": 0.25, "swarm/lineages": 2.0, "swarm/units": 4.0}
     assert event_scalars(events.SwarmConsensus(distance=0.0, lineages=0, units=0)) == {}
