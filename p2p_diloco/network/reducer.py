@@ -8,11 +8,10 @@ each sender's part with the weight the sender states. :class:`BoundedAllReduceRu
 combined once every live sender's part arrived. Each averaged part another member returns (as the difference from
 what this unit sent it) must have the shape sent, be finite, and have an RMS within OFFENCE_RELATIVE × that of the
 slice sent to that member or of the members' payloads for this unit's own slice, whichever is larger (trust.py
-``within``); an implausible one is replaced by zeros (this unit keeps its own
-values of that part, as hivemind does for a reducer that failed), the others are used. The exchange on the wire is
-unchanged (no extra bytes); the cost is buffering one slice of every sender and a median over them. An all-reduce
-that ends with parts missing (a timeout, a member gone) logs which members did not send their parts or return their
-averages.
+``within``); an implausible one is replaced by zeros (this unit keeps its own values of that part, as hivemind does
+for a reducer that failed), the others are used. The exchange on the wire is unchanged (no extra bytes); the cost is
+buffering one slice of every sender and a median over them. An all-reduce that ends with parts missing (a timeout, a
+member gone) logs which members did not send their parts or return their averages.
 """
 
 from __future__ import annotations
