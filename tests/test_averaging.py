@@ -117,6 +117,15 @@ def test_a_client_follows_a_leader_whose_window_ends_after_its_own() -> None:
         stop_dht(leader_dht)
 
 
+def average_once(
+    averagers: list[OuterAverager], payloads: list[torch.Tensor], number: int
+) -> list[RoundOutcome | None]:
+    """Round ``number`` of ``averagers``, each averaging its payload with weight 1 in a 3 s window; their outcomes."""
+    for averager, payload in zip(averagers, payloads):
+        assert averager.begin_round([payload], weight=1.0, outer_round=number, window_s=3.0)
+    return [averager.finish_round(timeout_s=30.0) for averager in averagers]
+
+
 @pytest.mark.swarm
 def test_a_member_far_out_of_bounds_is_left_out() -> None:
     """Three averagers on real DHT nodes, one sending 1000 × its proposal: whatever group a round forms (the reducers
@@ -131,9 +140,7 @@ def test_a_member_far_out_of_bounds_is_left_out() -> None:
             for number in range(MAX_OFFENCES + 1):
                 proposals = [1 + 0.01 * torch.randn(size, generator=generator) for _ in averagers]
                 proposals[-1] = proposals[-1] * 1000
-                for averager, proposal in zip(averagers, proposals):
-                    assert averager.begin_round([proposal], weight=1.0, outer_round=number, window_s=3.0)
-                outcomes = [averager.finish_round(timeout_s=30.0) for averager in averagers]
+                outcomes = average_once(averagers, proposals, number)
                 honest_mean = (proposals[0] + proposals[1]) / 2
                 for outcome, own in zip(outcomes[:2], proposals):
                     assert outcome is not None and outcome.averaged is not None
@@ -163,9 +170,7 @@ def test_a_reducer_returning_implausible_averages_is_replaced_then_refused(monke
             sizes = []
             for number in range(MAX_OFFENCES + 2):
                 proposals = [1 + 0.01 * torch.randn(size, generator=generator) for _ in averagers]
-                for averager, proposal in zip(averagers, proposals):
-                    assert averager.begin_round([proposal], weight=1.0, outer_round=number, window_s=3.0)
-                outcomes = [averager.finish_round(timeout_s=30.0) for averager in averagers]
+                outcomes = average_once(averagers, proposals, number)
                 for outcome, own in zip(outcomes[:2], proposals):
                     assert outcome is not None and outcome.averaged is not None
                     gap = float((outcome.averaged[0] - own).abs().max())
@@ -192,9 +197,7 @@ def test_a_member_whose_payload_is_far_smaller_than_the_others_takes_their_hones
             for number in range(MAX_OFFENCES + 1):
                 scales = (1e-6, 1e-3, 1e-3)
                 payloads = [scale * torch.randn(size, generator=generator) for scale in scales]
-                for averager, payload in zip(averagers, payloads):
-                    assert averager.begin_round([payload], weight=1.0, outer_round=number, window_s=3.0)
-                outcomes = [averager.finish_round(timeout_s=30.0) for averager in averagers]
+                outcomes = average_once(averagers, payloads, number)
                 mean = torch.stack(payloads).mean(dim=0)
                 for outcome in outcomes:
                     assert outcome is not None and outcome.averaged is not None and outcome.group_size == 3

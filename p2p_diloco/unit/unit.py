@@ -239,9 +239,8 @@ class LearningUnit:
 
     def record_step(self, stats: StepStats) -> StepStats:
         """The bookkeeping of an inner step: counters, compute, throughput, the round engine's counters."""
-        now = time.monotonic()
-        first = self._last_step_end is None
-        period = stats.seconds if self._last_step_end is None else max(stats.seconds, now - self._last_step_end)
+        now, last_step_end = time.monotonic(), self._last_step_end
+        period = stats.seconds if last_step_end is None else max(stats.seconds, now - last_step_end)
         self._last_step_end = now
         tokens = stats.tokens * self.ranks.world_size  # every rank trained a batch of the same shape
         self.inner_step += 1
@@ -249,8 +248,10 @@ class LearningUnit:
         self.engine.record_step(tokens, stats.seconds)
         self.ledger.record_step(stats.seconds, tokens)
         self.last_loss = stats.loss
-        if not first:  # a process's first step (allocations, first kernels: 1.4 s against 0.07 in a demo) had set
-            self.throughput.add(tokens, period)  # a 32 s round period, which the units then adopted from each other
+        # A process's first step (allocations, first kernels: 1.4 s against 0.07 in a demo) is left out of the
+        # throughput: it had set a 32 s round period, which the units then adopted from each other.
+        if last_step_end is not None:
+            self.throughput.add(tokens, period)
         self.metrics.write(events.InnerStep(step=self.inner_step, loss=stats.loss, seconds=stats.seconds, lr=stats.lr,
                                             tokens_per_s=self.throughput.tokens_per_s))  # fmt: skip
         return stats
