@@ -107,6 +107,7 @@ def _aliases(*old_names: str) -> dict[str, Any]:
     return {"aliases": list(old_names)}
 
 
+OverlapRule = Literal["keep", "discount", "align", "mix"]  # diloco.py's Overlap
 Schedule = Literal["clock", "steps"]  # when rounds are due (rounds/engine.py, rounds/clock.py)
 
 
@@ -118,6 +119,12 @@ class OuterSection(_Section):
     outer_lr: float = Field(1.0, gt=0.0, le=10.0, description="outer SGD learning rate on the pseudo-gradient")
     outer_momentum: float = Field(0.0, ge=0.0, lt=1.0, description="outer SGD momentum (0: a plain average)")
     nesterov: bool = Field(True, description="Nesterov outer momentum (with a momentum above 0)")
+    overlap_rule: OverlapRule = Field(
+        "keep",
+        description="what a unit keeps of the inner steps it made while a round was in flight: keep, discount "
+        "(× --overlap-factor), align (less what opposes the round's step) or mix (factor·θ + (1 − factor)·φ_new)",
+    )
+    overlap_factor: float = Field(0.5, ge=0.0, le=1.0, description="the factor of --overlap-rule discount and mix")
     quorum: int = Field(1, ge=1, description="K: smallest group whose average is accepted (1 = never wait)")
     target_group_size: int = Field(8, ge=1, le=256, description="a group stops recruiting at this size")
     # the matchmaking window: how long a round recruits members (formerly "grace": the old names still work)

@@ -16,7 +16,8 @@ tensor's norm and unit direction are averaged separately (:func:`radial_parts`, 
 by their plain mean.
 
 Overlap: the average of a round arrives τ inner steps after the unit sent its proposal, and the unit went
-on training meanwhile. :func:`merge_local_progress` keeps those τ steps: θ ← φ_new + (θ_now − θ_sent).
+on training meanwhile. :func:`merge_local_progress` keeps those τ steps, d = θ_now − θ_sent, by one of the rules of
+:class:`Overlap` (by default whole: θ ← φ_new + d).
 """
 
 from __future__ import annotations
@@ -24,8 +25,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from p2p_diloco.config import OverlapRule
 
 Tensors = list[torch.Tensor]
 
@@ -122,20 +127,65 @@ def _unit(tensor: torch.Tensor, norm: float) -> torch.Tensor:
     return tensor / norm if norm > 0 else torch.zeros_like(tensor)
 
 
-def merge_local_progress(
-    new_global: Sequence[torch.Tensor], local_now: Sequence[torch.Tensor], local_at_send: Sequence[torch.Tensor]
-) -> Tensors:
-    """New local parameters after a round: θ ← φ_new + (θ_now − θ_sent), in θ's dtype and device.
+@dataclass(frozen=True)
+class Overlap:
+    """What a unit keeps of the inner steps it made while a round was in flight, d = θ_now − θ_sent (computed from its
+    own parameters before the average), when the round's φ_new arrives:
 
-    With no overlap (θ_now = θ_sent) this is θ ← φ_new, the synchronous DiLoCo rule.
+    - ``keep``: θ ← φ_new + d, all of it;
+    - ``discount``: θ ← φ_new + factor·d;
+    - ``align``: θ ← φ_new + d', where per tensor d' is d less its part that opposes the round's step u = φ_new − φ_old
+      (d' = d − min(0, ⟨d, u⟩)/‖u‖² · u): direction-aware, after HeLoCo, with the swarm's step of this round as the
+      reference direction (no outer momentum needed);
+    - ``mix``: θ ← factor·θ_now + (1 − factor)·φ_new (Streaming DiLoCo's merge).
+    """
+
+    rule: OverlapRule = "keep"
+    factor: float = 0.5
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.factor <= 1.0:
+            raise ValueError(f"the overlap factor must lie in [0, 1], got {self.factor}")
+
+
+def merge_local_progress(
+    new_global: Sequence[torch.Tensor],
+    local_now: Sequence[torch.Tensor],
+    local_at_send: Sequence[torch.Tensor],
+    overlap: Overlap = Overlap(),
+    old_global: Sequence[torch.Tensor] = (),
+) -> Tensors:
+    """New local parameters after a round by the ``overlap`` rule, in θ's dtype and device; ``old_global`` is φ
+    before the round (read by ``align`` only).
+
+    With no overlap (θ_now = θ_sent) ``keep``, ``discount`` and ``align`` give θ ← φ_new, the synchronous DiLoCo rule.
+    Raises ValueError for lists that do not match (a missing ``old_global`` under ``align`` included).
     """
     _check_same_shapes(new_global, local_now)
     _check_same_shapes(new_global, local_at_send)
+    if overlap.rule == "align":
+        _check_same_shapes(new_global, old_global)
     merged = []
-    for phi, now, sent in zip(new_global, local_now, local_at_send):
-        drift = now.detach().to(device=phi.device, dtype=phi.dtype) - sent.to(device=phi.device, dtype=phi.dtype)
-        merged.append((phi + drift).to(device=now.device, dtype=now.dtype))
+    for index, (phi, now, sent) in enumerate(zip(new_global, local_now, local_at_send)):
+        now_here = now.detach().to(device=phi.device, dtype=phi.dtype)
+        drift = now_here - sent.to(device=phi.device, dtype=phi.dtype)
+        if overlap.rule == "discount":
+            value = phi + overlap.factor * drift
+        elif overlap.rule == "align":
+            value = phi + _without_opposing(drift, phi - old_global[index].to(device=phi.device, dtype=phi.dtype))
+        elif overlap.rule == "mix":
+            value = overlap.factor * now_here + (1.0 - overlap.factor) * phi
+        else:
+            value = phi + drift
+        merged.append(value.to(device=now.device, dtype=now.dtype))
     return merged
+
+
+def _without_opposing(drift: torch.Tensor, reference: torch.Tensor) -> torch.Tensor:
+    """``drift`` less its component along ``reference`` when that component points against it."""
+    squared = float(reference.pow(2).sum())
+    along = float((drift * reference).sum()) / squared if squared > 0 else 0.0
+    return drift - along * reference if along < 0 else drift
 
 
 def distance(first: Sequence[torch.Tensor], second: Sequence[torch.Tensor]) -> float:

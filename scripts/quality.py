@@ -17,23 +17,22 @@ import platform
 import shlex
 import sys
 from pathlib import Path
-from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the laboratory, bench/, lives in the checkout
 
-from bench.quality import Budget, Method, MethodResult, parse_assignment, run_comparison  # noqa: E402
+from bench.quality import (  # noqa: E402
+    MEASURED_ALONE_P,
+    MEASURED_DELAY_STEPS,
+    Budget,
+    Method,
+    MethodResult,
+    parse_assignment,
+    parse_assignments,
+    run_comparison,
+)
 from bench.quality_report import write_report  # noqa: E402
-
-# What real swarms showed (results/scale, steps-n4-g8: 10 of 44 unit-rounds alone; the demo's outer_round events:
-# 8 inner steps of overlap at H = 20).
-MEASURED_ALONE_P = 0.23
-MEASURED_DELAY_STEPS = 8
-
-
-def _outer_set(text: str) -> dict[str, Any]:
-    return dict(parse_assignment(item) for item in text.split(",") if item)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -58,7 +57,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--outer-sets",
         nargs="+",
-        type=_outer_set,
+        type=parse_assignments,
         default=[{}],
         metavar="FIELD=V,FIELD=V",
         help="every DiLoCo method once per set of [outer] overrides (over --outer): a sweep",

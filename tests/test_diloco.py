@@ -9,6 +9,7 @@ import torch
 
 from p2p_diloco.diloco import (
     OuterHyperparams,
+    Overlap,
     consensus_probe,
     consensus_probe_indices,
     merge_local_progress,
@@ -142,6 +143,41 @@ def test_merge_with_overlap_keeps_the_progress_made_meanwhile() -> None:
     now = [s + p for s, p in zip(sent, progress)]
     merged = merge_local_progress(new_global, now, sent)
     _assert_lists_close(merged, [g + p for g, p in zip(new_global, progress)], atol=1e-12)
+
+
+# One tensor of two coordinates, worked by hand: φ_old = (0, 0), the round's step u = φ_new − φ_old = (2, 0),
+# θ_sent = (5, 5) and the steps made meanwhile d = θ_now − θ_sent = (−1, 3): opposing u by ⟨d, u⟩/‖u‖² = −0.5.
+OLD, NEW, SENT, NOW = (
+    [torch.tensor([0.0, 0.0])],
+    [torch.tensor([2.0, 0.0])],
+    [torch.tensor([5.0, 5.0])],
+    [torch.tensor([4.0, 8.0])],
+)
+
+
+@pytest.mark.parametrize(
+    ("overlap", "expected"),
+    [
+        (Overlap("keep"), [2.0 - 1.0, 0.0 + 3.0]),
+        (Overlap("discount", 0.25), [2.0 - 0.25, 0.0 + 0.75]),
+        (Overlap("align"), [2.0 + 0.0, 0.0 + 3.0]),  # d less (−0.5)·u = (−1, 3) + (1, 0)
+        (Overlap("mix", 0.5), [0.5 * 4.0 + 0.5 * 2.0, 0.5 * 8.0 + 0.5 * 0.0]),
+    ],
+)
+def test_each_overlap_rule_against_its_hand_computed_merge(overlap: Overlap, expected: list[float]) -> None:
+    merged = merge_local_progress(NEW, NOW, SENT, overlap, OLD)
+    torch.testing.assert_close(merged[0], torch.tensor(expected), rtol=0, atol=1e-6)
+
+
+def test_align_keeps_steps_that_agree_with_the_round_and_every_rule_but_mix_is_synchronous_without_overlap() -> None:
+    agreeing = [torch.tensor([7.0, 2.0])]  # d = (2, −3): ⟨d, u⟩ = 4 > 0, nothing removed
+    assert merge_local_progress(NEW, agreeing, SENT, Overlap("align"), OLD)[0].tolist() == [4.0, -3.0]
+    for rule in ("keep", "discount", "align"):
+        assert merge_local_progress(NEW, SENT, SENT, Overlap(rule), OLD)[0].tolist() == NEW[0].tolist()
+    with pytest.raises(ValueError):
+        merge_local_progress(NEW, NOW, SENT, Overlap("align"))  # no φ_old to align against
+    with pytest.raises(ValueError):
+        Overlap("discount", 1.5)
 
 
 def test_merge_keeps_local_dtype_and_device() -> None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from p2p_diloco.config import Codec, ConfigError, OuterSection, Schedule
-from p2p_diloco.diloco import OuterHyperparams
+from p2p_diloco.diloco import OuterHyperparams, Overlap
 from p2p_diloco.fragments import Fragment, partition, views
 from p2p_diloco.rounds.clock import RoundClock
 from p2p_diloco.streaming import Payload
@@ -115,7 +115,8 @@ class RoundPlan:
     """How a unit's outer rounds are laid out, derived once by :meth:`from_config`: the only reader of ``[outer]``.
     When rounds come: every ``inner_steps`` by the ``schedule``, at most ``max_in_flight`` at once; what they carry
     and do (``step``), whom they meet (``window``, ``group``), the corrections (``consensus``: None without consensus
-    rounds; ``settle_rounds`` at exit)."""
+    rounds; ``settle_rounds`` at exit), and what a unit keeps of the steps it made while a round was in flight
+    (``overlap``)."""
 
     fragments: tuple[Fragment, ...]
     inner_steps: int
@@ -126,6 +127,7 @@ class RoundPlan:
     group: Groups
     consensus: ConsensusRounds | None
     settle_rounds: int
+    overlap: Overlap = Overlap()
 
     @classmethod
     def from_config(cls, outer: OuterSection, shapes: Sequence[torch.Size | Sequence[int]],
@@ -152,7 +154,7 @@ class RoundPlan:
             window=Window(outer.window_fraction, outer.min_window_s, outer.max_window_s),
             group=Groups(outer.quorum, outer.target_group_size, outer.allreduce_timeout_s),
             consensus=ConsensusRounds(outer.consensus_every_rounds, outer.consensus_tolerance) if consensus else None,
-            settle_rounds=outer.settle_rounds,
+            settle_rounds=outer.settle_rounds, overlap=Overlap(outer.overlap_rule, outer.overlap_factor),
         )  # fmt: skip
 
     @property

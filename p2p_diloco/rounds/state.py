@@ -157,12 +157,14 @@ class OuterState:
 
     def merge(self, fragment: Fragment, params: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor],
               local_at_send: Sequence[torch.Tensor]) -> None:  # fmt: skip
-        """φ_p, m_p ← ``params``, ``momentum`` (empty: m unchanged); θ_p ← φ_p + (θ_p,now − ``local_at_send``): the
-        steps made since the round was sent stay."""
+        """φ_p, m_p ← ``params``, ``momentum`` (empty: m unchanged); θ_p ← φ_p and the steps made since the round was
+        sent (θ_p,now − ``local_at_send``) as the plan's overlap rule keeps them."""
+        old_global = copies(self.global_params, fragment) if self.plan.overlap.rule == "align" else []
         assign(self.global_params, fragment, params)
         if momentum:
             assign(self.momentum, fragment, momentum)
-        self.write_local(fragment, merge_local_progress(params, self.read_local(fragment), local_at_send))
+        merged = merge_local_progress(params, self.read_local(fragment), local_at_send, self.plan.overlap, old_global)
+        self.write_local(fragment, merged)
 
     def apply_held(self, number: int) -> None:
         """Merge fragment ``number``'s held merge (:meth:`merge`), if it has one."""

@@ -1,0 +1,89 @@
+"""The long-horizon bench's machinery (bench/horizon.py, bench/horizon_report.py) on a very small model and budget."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench.horizon import Horizon, run_seeds
+from bench.horizon_report import document, gaps, markdown, merge, write_report
+from bench.quality import run_method
+
+SMALL_MODEL = {"model__model_config": "bench/models/gpt2-l2-d32", "model__tokenizer": "p2p_diloco/assets/tiny-gpt2",
+               "data__seq_len": 32, "inner__warmup_steps": 2}  # fmt: skip
+# 164,736 parameters × 0.02 tokens = 3,295 tokens: 26 steps of 4 × 32 tokens, rounded up to 7 rounds of H = 4.
+HORIZON = Horizon(tokens_per_param=0.02, global_batch=4, inner_steps=4, evals=2, eval_rows=4, settings=SMALL_MODEL)
+
+
+def test_every_method_splits_one_global_batch_and_trains_the_same_tokens_per_seed(tmp_path: Path) -> None:
+    methods = [
+        HORIZON.method("data-parallel", "data-parallel", 1),
+        HORIZON.method("diloco-m2", "diloco", 2),
+        HORIZON.method("async-m4", "diloco", 4, alone_p=0.5, delay_steps=1),
+    ]
+    assert [method.settings for method in methods] == [
+        {"data__batch_size": 4, "data__eval_batches": 1},
+        {"data__batch_size": 2, "data__eval_batches": 2},
+        {"data__batch_size": 1, "data__eval_batches": 4},
+    ]
+    parameters, results = run_seeds(methods, HORIZON, seeds=[0, 1], jobs=2)
+    assert parameters == 164_736 and HORIZON.steps(parameters) == 28
+    assert [(done.result.method.name, done.seed) for done in results] == [
+        (method.name, seed) for method in methods for seed in (0, 1)
+    ]
+    assert {(done.result.tokens, done.result.inner_steps) for done in results} == {(28 * 4 * 32, 28)}
+    assert [done.result.rounds for done in results[2:4]] == [7, 7]  # synchronous: steps / H
+    for seed in (0, 1):  # one initial model per seed, evaluated on the same rows whatever the batch (to rounding)
+        starts = [done.result.start_loss for done in results if done.seed == seed]
+        assert starts == pytest.approx([starts[0]] * len(starts), rel=1e-6)
+    assert results[0].result.start_loss != results[1].result.start_loss
+
+    # a worker's result is the in-process one at its one thread: the seed draws weights, data orders, partial groups
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        again = run_method(methods[2], HORIZON.budget(parameters, 1), tmp_path)
+    finally:
+        torch.set_num_threads(threads)
+    assert [point.loss for point in again.points] == [point.loss for point in results[5].result.points]
+
+
+def test_the_report_gives_each_seed_and_the_median_gap_and_merges_runs_of_one_horizon(tmp_path: Path) -> None:
+    rows = [
+        {"seed": seed, "method": {"name": name, "kind": kind, "units": units, "outer": {}, "alone_p": 0.0,
+                                  "delay_steps": 0}, "final_loss": loss, "tokens": 100, "inner_steps": 8,
+         "points": [{"tokens": 0, "loss": 9.0}, {"tokens": 100, "loss": loss}]}
+        for name, kind, units, seed, loss in [
+            ("data-parallel", "data-parallel", 1, 0, 4.0), ("data-parallel", "data-parallel", 1, 1, 5.0),
+            ("diloco-m4", "diloco", 4, 0, 4.1), ("diloco-m4", "diloco", 4, 1, 5.0),
+        ]
+    ]  # fmt: skip
+    first = {"commands": ["a"], "environment": "here", "horizon": {"global_batch": 4, "inner_steps": 4,
+             "settings": {}}, "parameters": 10, "rows": rows[:3]}  # fmt: skip
+    second = {**first, "commands": ["b"], "rows": rows[3:]}
+    merged = merge([first, second])
+    assert merged["commands"] == ["a", "b"] and len(merged["rows"]) == 4
+    assert gaps(merged, "diloco-m4", "data-parallel") == pytest.approx({0: 2.5, 1: 0.0})
+    table = markdown(merged)
+    assert "| diloco-m4 | 4 | defaults | 0 | 0 | 4.1000 / 5.0000 | 4.5500 | +2.50% / +0.00% | +1.25% |" in table
+    with pytest.raises(ValueError):
+        merge([first, {**second, "parameters": 11}])
+    write_report(merged, tmp_path)
+    assert json.loads((tmp_path / "horizon.json").read_text()) == merged and (tmp_path / "horizon.png").exists()
+
+
+def test_a_global_batch_that_does_not_split_is_refused() -> None:
+    with pytest.raises(ValueError, match="do not split"):
+        HORIZON.method("diloco-m3", "diloco", 3)
+    with pytest.raises(ValueError):
+        Horizon(tokens_per_param=0, global_batch=4, inner_steps=4)
+
+
+def test_a_real_document_round_trips(tmp_path: Path) -> None:
+    parameters, results = run_seeds([HORIZON.method("diloco-m1", "diloco", 1)], HORIZON, seeds=[3], jobs=1)
+    doc = document(results, HORIZON, parameters, "scripts/horizon.py ...", "this machine")
+    write_report(doc, tmp_path)
+    assert "diloco-m1" in (tmp_path / "horizon.md").read_text()
