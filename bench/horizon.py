@@ -28,21 +28,25 @@ from p2p_diloco.unit.model import load_model
 
 @dataclass(frozen=True)
 class Horizon:
-    """How far and on what every method trains: ``tokens_per_param`` tokens per trained parameter (rounded up to
-    whole rounds), ``global_batch`` sequences per inner step over all of a method's units, ``inner_steps`` (H) per
-    round, evaluated ``evals`` times on the same ``eval_rows`` held-out sequences whatever a method's batch;
-    ``settings`` are ``section__field`` overrides of the tiny preset every method shares (model, data, inner lr)."""
+    """How far and on what every method trains: ``tokens_per_param`` tokens per trained parameter and at least
+    ``rounds`` rounds (whichever is longer, in whole rounds; a fine-tune counts rounds), ``global_batch`` sequences
+    per inner step over all of a method's units, ``inner_steps`` (H) per round, evaluated ``evals`` times on the same
+    ``eval_rows`` held-out sequences whatever a method's batch; ``settings`` are ``section__field`` overrides of the
+    tiny preset every method shares (model, data, inner lr)."""
 
     tokens_per_param: float
     global_batch: int
     inner_steps: int
     evals: int = 16
     eval_rows: int = 128
+    rounds: int = 0
     settings: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if not self.tokens_per_param > 0 or min(self.global_batch, self.inner_steps, self.evals, self.eval_rows) < 1:
-            raise ValueError("tokens_per_param > 0 and global_batch, inner_steps, evals, eval_rows >= 1 are required")
+        if min(self.tokens_per_param, self.rounds) < 0 or not (self.tokens_per_param > 0 or self.rounds > 0):
+            raise ValueError("tokens_per_param and rounds must not be negative, and one of them must be positive")
+        if min(self.global_batch, self.inner_steps, self.evals, self.eval_rows) < 1:
+            raise ValueError("global_batch, inner_steps, evals and eval_rows must be at least 1")
 
     def config(self) -> PeerConfig:
         """The shared config (model, data, inner settings) before any method's overrides."""
@@ -54,10 +58,10 @@ class Horizon:
         return sum(param.numel() for param in model.parameters() if param.requires_grad)
 
     def steps(self, parameters: int) -> int:
-        """Inner steps of every method: the fewest whole rounds that reach ``tokens_per_param``."""
+        """Inner steps of every method: the fewest whole rounds, at least ``rounds``, reaching ``tokens_per_param``."""
         per_step = self.global_batch * self.config().data.seq_len
         rounds = math.ceil(self.tokens_per_param * parameters / per_step / self.inner_steps)
-        return rounds * self.inner_steps
+        return max(rounds, self.rounds) * self.inner_steps
 
     def budget(self, parameters: int, seed: int) -> Budget:
         """Seed ``seed``'s budget: the tokens of :meth:`steps`, H, and the inner schedule decaying over the run."""

@@ -433,6 +433,26 @@ def pretrain(budget: Budget, out: Path) -> Pretrained:
     return Pretrained(out, steps, tokens, start, trainer.evaluate(data.eval_batches))
 
 
+def diloco_methods(
+    units: Sequence[int],
+    async_units: Sequence[int],
+    outer_sets: Sequence[dict[str, Any]],
+    outer: dict[str, Any],
+    alone_p: float,
+    delay_steps: int,
+    make: Callable[..., Method] = Method,
+) -> list[Method]:
+    """``diloco-mM`` for each of ``units`` and ``async-mM`` (``alone_p``, ``delay_steps``) for each of ``async_units``,
+    once per set of ``outer_sets`` over ``outer`` (named after the set), built by ``make(name, kind, units, ...)``."""
+    methods = []
+    for overrides in outer_sets:
+        merged, suffix = {**outer, **overrides}, "".join(f" {key}={value}" for key, value in overrides.items())
+        methods += [make(f"diloco-m{size}{suffix}", "diloco", size, outer=merged) for size in units]
+        methods += [make(f"async-m{size}{suffix}", "diloco", size, alone_p=alone_p, delay_steps=delay_steps,
+                         outer=merged) for size in async_units]  # fmt: skip
+    return methods
+
+
 # What real swarms showed (results/scale, steps-n4-g8: 10 of 44 unit-rounds alone; the demo's outer_round events:
 # 8 inner steps of overlap at H = 20): ours-async's partial groups and overlap in the bench.
 MEASURED_ALONE_P = 0.23

@@ -28,6 +28,7 @@ from bench.quality import (  # noqa: E402
     MEASURED_ALONE_P,
     MEASURED_DELAY_STEPS,
     Method,
+    diloco_methods,
     parse_assignment,
     parse_assignments,
 )
@@ -38,7 +39,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", type=Path, required=True, help="results folder")
     parser.add_argument("--merge", type=Path, nargs="+", help="only merge these runs' reports into --out")
     parser.add_argument("--model-config", help="the model's config folder (default: the tiny preset's model)")
-    parser.add_argument("--tokens-per-param", type=float, default=20.0)
+    parser.add_argument("--tokens-per-param", type=float, default=20.0, help="0: --rounds alone sets the budget")
+    parser.add_argument("--rounds", type=int, default=0, help="at least this many rounds (a fine-tune's budget)")
     parser.add_argument("--global-batch", type=int, default=16, help="sequences per inner step over all units")
     parser.add_argument("--inner-steps", type=int, default=16, help="H")
     parser.add_argument("--units", type=int, nargs="*", default=[1, 2, 4, 8], help="synchronous DiLoCo sizes M")
@@ -51,13 +53,14 @@ def _parser() -> argparse.ArgumentParser:
         help="ours-async: inner steps a round is in flight, as a fraction of H (measured: 8 of 20)",
     )
     parser.add_argument("--no-data-parallel", action="store_true", help="leave data-parallel out (run elsewhere)")
+    parser.add_argument("--outer", type=parse_assignment, action="append", default=[], help="[outer] field=value")
     parser.add_argument(
         "--outer-sets",
         nargs="+",
         type=parse_assignments,
         default=[{}],
         metavar="FIELD=V,FIELD=V",
-        help="every DiLoCo method once per set of [outer] overrides",
+        help="every DiLoCo method once per set of [outer] overrides (over --outer)",
     )
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--jobs", type=int, default=2, help="methods trained at once (one CPU thread each)")
@@ -70,12 +73,8 @@ def _parser() -> argparse.ArgumentParser:
 def methods(args: argparse.Namespace, horizon: Horizon) -> list[Method]:
     chosen = [] if args.no_data_parallel else [horizon.method("data-parallel", "data-parallel", 1)]
     delay = round(args.delay_fraction * args.inner_steps)
-    for outer in args.outer_sets:
-        suffix = "".join(f" {key}={value}" for key, value in outer.items())
-        chosen += [horizon.method(f"diloco-m{units}{suffix}", "diloco", units, outer=outer) for units in args.units]
-        chosen += [horizon.method(f"async-m{units}{suffix}", "diloco", units, alone_p=args.alone_p,
-                                  delay_steps=delay, outer=outer) for units in args.async_units]  # fmt: skip
-    return chosen
+    return chosen + diloco_methods(args.units, args.async_units, args.outer_sets, dict(args.outer), args.alone_p,
+                                   delay, make=horizon.method)  # fmt: skip
 
 
 def _print(done: SeededResult) -> None:
@@ -97,9 +96,8 @@ def main() -> int:
     command = shlex.join([Path(sys.executable).name, *sys.argv])
     environment = f"{platform.node()}: {platform.processor() or platform.machine()}, Python {platform.python_version()}"
     try:
-        horizon = Horizon(
-            args.tokens_per_param, args.global_batch, args.inner_steps, args.evals, args.eval_rows, settings
-        )
+        horizon = Horizon(args.tokens_per_param, args.global_batch, args.inner_steps, args.evals, args.eval_rows,
+                          args.rounds, settings)  # fmt: skip
         parameters, results = run_seeds(methods(args, horizon), horizon, args.seeds, args.jobs, report=_print)
     except ValueError as error:
         print(f"error: {error}", file=sys.stderr)

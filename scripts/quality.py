@@ -28,6 +28,7 @@ from bench.quality import (  # noqa: E402
     Budget,
     Method,
     MethodResult,
+    diloco_methods,
     parse_assignment,
     parse_assignments,
     run_comparison,
@@ -77,11 +78,8 @@ def main() -> int:
     sizes = sorted(set(args.units) | set(args.async_units)) if args.data_parallel_units is None else []
     methods = [Method("plain-adamw" if units == 1 else f"data-parallel-m{units}", "data-parallel", units)
                for units in (args.data_parallel_units or sizes)]  # fmt: skip
-    for overrides in args.outer_sets:
-        outer, suffix = {**dict(args.outer), **overrides}, "".join(f" {k}={v}" for k, v in overrides.items())
-        methods += [Method(f"diloco-m{units}{suffix}", "diloco", units, outer=outer) for units in args.units]
-        methods += [Method(f"async-m{units}{suffix}", "diloco", units, args.alone_p, args.delay_steps, outer)
-                    for units in args.async_units]  # fmt: skip
+    methods += diloco_methods(args.units, args.async_units, args.outer_sets, dict(args.outer), args.alone_p,
+                              args.delay_steps)  # fmt: skip
     budget = Budget(args.tokens, args.evals, args.seed, dict(args.set))
     command = shlex.join([Path(sys.executable).name, *sys.argv])
     environment = f"{platform.node()}: {platform.processor() or platform.machine()}, Python {platform.python_version()}"

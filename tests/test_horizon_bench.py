@@ -80,6 +80,8 @@ def test_a_global_batch_that_does_not_split_is_refused() -> None:
         HORIZON.method("diloco-m3", "diloco", 3)
     with pytest.raises(ValueError):
         Horizon(tokens_per_param=0, global_batch=4, inner_steps=4)
+    fine_tune = Horizon(tokens_per_param=0, global_batch=4, inner_steps=4, rounds=300, settings=SMALL_MODEL)
+    assert fine_tune.steps(parameters=164_736) == 1200  # the rounds, not the tokens, set a fine-tune's budget
 
 
 def test_a_real_document_round_trips(tmp_path: Path) -> None:
