@@ -104,7 +104,13 @@ def main() -> int:
         return 2
     new = document(results, horizon, parameters, command, environment)
     earlier = args.out / REPORT
-    write_report(merge([json.loads(earlier.read_text()), new]) if earlier.exists() else new, args.out)
+    try:
+        write_report(merge([json.loads(earlier.read_text()), new]) if earlier.exists() else new, args.out)
+    except ValueError as error:  # this run's results are kept whatever the earlier report holds
+        kept = args.out / "horizon-unmerged.json"
+        kept.write_text(json.dumps(new, indent=1) + "\n")
+        print(f"error: {error}; this run's report is in {kept}", file=sys.stderr)
+        return 2
     print((args.out / "horizon.md").read_text())
     return 0
 
