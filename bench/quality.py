@@ -459,6 +459,20 @@ MEASURED_ALONE_P = 0.23
 MEASURED_DELAY_STEPS = 8
 
 
+def add_method_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags both quality scripts share: which DiLoCo methods run (``--units``, ``--async-units``, ``--alone-p``,
+    ``--outer``, ``--outer-sets``; see :func:`diloco_methods`) and what every method trains (``--set``)."""
+    parser.add_argument("--units", type=int, nargs="*", default=[1, 2, 4, 8], help="synchronous DiLoCo sizes M")
+    parser.add_argument("--async-units", type=int, nargs="*", default=[4], help="ours-async sizes M")
+    parser.add_argument("--alone-p", type=float, default=MEASURED_ALONE_P, help="ours-async: P(a round alone)")
+    parser.add_argument("--set", type=parse_assignment, action="append", default=[], help="section__field=value")
+    parser.add_argument("--outer", type=parse_assignment, action="append", default=[], help="[outer] field=value")
+    parser.add_argument(
+        "--outer-sets", nargs="+", type=parse_assignments, default=[{}], metavar="FIELD=V,FIELD=V",
+        help="every DiLoCo method once per set of [outer] overrides (over --outer): a sweep",
+    )  # fmt: skip
+
+
 def parse_assignments(text: str) -> dict[str, Any]:
     """``name=value,name=value`` of a command line (see :func:`parse_assignment`); empty text gives {}."""
     return dict(parse_assignment(item) for item in text.split(",") if item)

@@ -113,9 +113,10 @@ Schedule = Literal["clock", "steps"]  # when rounds are due (rounds/engine.py, r
 
 class OuterSection(_Section):
     inner_steps: int = Field(20, ge=1, description="H: inner steps between two outer rounds")
-    # Defaults: a plain average of the units' parameters (outer lr 1, no momentum), the best outer step or within noise
-    # of it in every regime the quality bench measured (results/quality/README.md); the literature's Nesterov (lr 0.7,
-    # momentum 0.9) was 2-7 points further from data-parallel and made fine-tuning worse.
+    # Defaults: a plain average of the units' parameters (outer lr 1, no momentum), the best outer step in fine-tuning
+    # over 200 rounds and in every run of tens of rounds the quality bench measured; pre-training from scratch over 200
+    # rounds, momentum 0.5 was better in every seed (results/quality/horizon/README.md). The literature's Nesterov (lr
+    # 0.7, momentum 0.9) lost in every regime measured.
     outer_lr: float = Field(1.0, gt=0.0, le=10.0, description="outer SGD learning rate on the pseudo-gradient")
     outer_momentum: float = Field(0.0, ge=0.0, lt=1.0, description="outer SGD momentum (0: a plain average)")
     nesterov: bool = Field(True, description="Nesterov outer momentum (with a momentum above 0)")

@@ -24,14 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the laboratory, 
 
 from bench.horizon import Horizon, SeededResult, run_seeds  # noqa: E402
 from bench.horizon_report import REPORT, document, merge, write_report  # noqa: E402
-from bench.quality import (  # noqa: E402
-    MEASURED_ALONE_P,
-    MEASURED_DELAY_STEPS,
-    Method,
-    diloco_methods,
-    parse_assignment,
-    parse_assignments,
-)
+from bench.quality import MEASURED_DELAY_STEPS, Method, add_method_arguments, diloco_methods  # noqa: E402
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -43,9 +36,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--rounds", type=int, default=0, help="at least this many rounds (a fine-tune's budget)")
     parser.add_argument("--global-batch", type=int, default=16, help="sequences per inner step over all units")
     parser.add_argument("--inner-steps", type=int, default=16, help="H")
-    parser.add_argument("--units", type=int, nargs="*", default=[1, 2, 4, 8], help="synchronous DiLoCo sizes M")
-    parser.add_argument("--async-units", type=int, nargs="*", default=[4], help="ours-async sizes M")
-    parser.add_argument("--alone-p", type=float, default=MEASURED_ALONE_P, help="ours-async: P(a round alone)")
+    add_method_arguments(parser)
     parser.add_argument(
         "--delay-fraction",
         type=float,
@@ -53,20 +44,10 @@ def _parser() -> argparse.ArgumentParser:
         help="ours-async: inner steps a round is in flight, as a fraction of H (measured: 8 of 20)",
     )
     parser.add_argument("--no-data-parallel", action="store_true", help="leave data-parallel out (run elsewhere)")
-    parser.add_argument("--outer", type=parse_assignment, action="append", default=[], help="[outer] field=value")
-    parser.add_argument(
-        "--outer-sets",
-        nargs="+",
-        type=parse_assignments,
-        default=[{}],
-        metavar="FIELD=V,FIELD=V",
-        help="every DiLoCo method once per set of [outer] overrides (over --outer)",
-    )
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--jobs", type=int, default=2, help="methods trained at once (one CPU thread each)")
     parser.add_argument("--evals", type=int, default=16, help="eval points per method")
     parser.add_argument("--eval-rows", type=int, default=128, help="held-out sequences of every evaluation")
-    parser.add_argument("--set", type=parse_assignment, action="append", default=[], help="section__field=value")
     return parser
 
 

@@ -23,14 +23,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the laboratory, bench/, lives in the checkout
 
 from bench.quality import (  # noqa: E402
-    MEASURED_ALONE_P,
     MEASURED_DELAY_STEPS,
     Budget,
     Method,
     MethodResult,
+    add_method_arguments,
     diloco_methods,
-    parse_assignment,
-    parse_assignments,
     run_comparison,
 )
 from bench.quality_report import write_report  # noqa: E402
@@ -40,9 +38,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="results folder")
     parser.add_argument("--tokens", type=int, required=True, help="token budget of every method (all units)")
-    parser.add_argument("--units", type=int, nargs="*", default=[1, 2, 4, 8], help="synchronous DiLoCo sizes M")
-    parser.add_argument("--async-units", type=int, nargs="*", default=[4], help="ours-async sizes M")
-    parser.add_argument("--alone-p", type=float, default=MEASURED_ALONE_P, help="ours-async: P(a round alone)")
+    add_method_arguments(parser)
     parser.add_argument("--delay-steps", type=int, default=MEASURED_DELAY_STEPS, help="ours-async: overlap steps")
     parser.add_argument(
         "--data-parallel-units",
@@ -53,16 +49,6 @@ def _parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--evals", type=int, default=8, help="eval points per method")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--set", type=parse_assignment, action="append", default=[], help="section__field=value")
-    parser.add_argument("--outer", type=parse_assignment, action="append", default=[], help="[outer] field=value")
-    parser.add_argument(
-        "--outer-sets",
-        nargs="+",
-        type=parse_assignments,
-        default=[{}],
-        metavar="FIELD=V,FIELD=V",
-        help="every DiLoCo method once per set of [outer] overrides (over --outer): a sweep",
-    )
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     return parser
 
