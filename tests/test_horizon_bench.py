@@ -50,6 +50,9 @@ def test_every_method_splits_one_global_batch_and_trains_the_same_tokens_per_see
         torch.set_num_threads(threads)
     assert [point.loss for point in again.points] == [point.loss for point in results[5].result.points]
 
+    write_report(document(results, HORIZON, parameters, "scripts/horizon.py ...", "here"), tmp_path / "report")
+    assert "| async-m4 | 4 |" in (tmp_path / "report" / "horizon.md").read_text()
+
 
 def test_the_report_gives_each_seed_and_the_median_gap_and_merges_runs_of_one_horizon(tmp_path: Path) -> None:
     rows = [
@@ -82,10 +85,3 @@ def test_a_global_batch_that_does_not_split_is_refused() -> None:
         Horizon(tokens_per_param=0, global_batch=4, inner_steps=4)
     fine_tune = Horizon(tokens_per_param=0, global_batch=4, inner_steps=4, rounds=300, settings=SMALL_MODEL)
     assert fine_tune.steps(parameters=164_736) == 1200  # the rounds, not the tokens, set a fine-tune's budget
-
-
-def test_a_real_document_round_trips(tmp_path: Path) -> None:
-    parameters, results = run_seeds([HORIZON.method("diloco-m1", "diloco", 1)], HORIZON, seeds=[3], jobs=1)
-    doc = document(results, HORIZON, parameters, "scripts/horizon.py ...", "this machine")
-    write_report(doc, tmp_path)
-    assert "diloco-m1" in (tmp_path / "horizon.md").read_text()
