@@ -30,13 +30,19 @@ def merge(documents: Sequence[dict[str, Any]]) -> dict[str, Any]:
     same method and seed replaces an earlier one). Raises ValueError when the horizons or models differ."""
     first = documents[0]
     for other in documents[1:]:
-        if (other["horizon"], other["parameters"]) != (first["horizon"], first["parameters"]):
+        if (_horizon(other), other["parameters"]) != (_horizon(first), first["parameters"]):
             raise ValueError("the reports to merge were run at different horizons or on different models")
     rows: dict[tuple[str, int], dict[str, Any]] = {}
     for each in documents:
         rows.update({(row["method"]["name"], row["seed"]): row for row in each["rows"]})
     commands = [command for each in documents for command in each["commands"]]
     return {**first, "commands": commands, "rows": list(rows.values())}
+
+
+def _horizon(doc: dict[str, Any]) -> Horizon:
+    """A report's horizon, fields it predates at their defaults (a report written before a field was added still
+    merges with one written after)."""
+    return Horizon(**doc["horizon"])
 
 
 def method_names(doc: dict[str, Any]) -> list[str]:
@@ -110,7 +116,7 @@ def plot(doc: dict[str, Any], path: Path) -> None:
             axis.plot(tokens, median, marker=".", label=name)
     half = len(tokens) // 2
     axes[1].set_xlim(left=tokens[half])
-    axes[1].set_ylim(top=max(statistics.median(row["points"][half]["loss"] for row in doc["rows"]) * 1.02, 0.0))
+    axes[1].set_ylim(top=statistics.median(row["points"][half]["loss"] for row in doc["rows"]) * 1.02)
     for axis, title in zip(axes, ["whole run", "second half"]):
         axis.set(xlabel="tokens (all units)", ylabel="held-out eval loss (median over seeds)", title=title)
     axes[0].legend(fontsize=7)

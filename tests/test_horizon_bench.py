@@ -64,9 +64,10 @@ def test_the_report_gives_each_seed_and_the_median_gap_and_merges_runs_of_one_ho
             ("diloco-m4", "diloco", 4, 0, 4.1), ("diloco-m4", "diloco", 4, 1, 5.0),
         ]
     ]  # fmt: skip
-    first = {"commands": ["a"], "environment": "here", "horizon": {"global_batch": 4, "inner_steps": 4,
-             "settings": {}}, "parameters": 10, "rows": rows[:3]}  # fmt: skip
-    second = {**first, "commands": ["b"], "rows": rows[3:]}
+    first = {"commands": ["a"], "environment": "here", "horizon": {"tokens_per_param": 20.0, "global_batch": 4,
+             "inner_steps": 4, "settings": {}}, "parameters": 10, "rows": rows[:3]}  # fmt: skip
+    # a report written after a field was added (at its default) merges with one written before
+    second = {**first, "commands": ["b"], "horizon": {**first["horizon"], "rounds": 0}, "rows": rows[3:]}
     merged = merge([first, second])
     assert merged["commands"] == ["a", "b"] and len(merged["rows"]) == 4
     assert gaps(merged, "diloco-m4", "data-parallel") == pytest.approx({0: 2.5, 1: 0.0})
