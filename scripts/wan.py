@@ -29,6 +29,14 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--units", type=int, default=4, help="M learning units / ranks (default 4)")
     parser.add_argument("--budget-s", type=float, default=300.0, help="wall-time budget of each method (default 300)")
     parser.add_argument(
+        "--method-budget-s",
+        action="append",
+        default=[],
+        metavar="METHOD=SECONDS",
+        help="one method's own budget instead of --budget-s (repeatable), e.g. sync-dp=1500 so that it reaches the "
+        "losses the others reach",
+    )
+    parser.add_argument(
         "--rate-mbit",
         type=float,
         required=True,
@@ -54,6 +62,18 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _method_budgets(pairs: list[str]) -> dict[str, float]:
+    """``METHOD=SECONDS`` pairs as a mapping; raises ValueError naming a malformed pair."""
+    budgets = {}
+    for pair in pairs:
+        method, _, seconds = pair.partition("=")
+        try:
+            budgets[method] = float(seconds)
+        except ValueError:
+            raise ValueError(f"--method-budget-s takes METHOD=SECONDS, got {pair!r}") from None
+    return budgets
+
+
 def _config(args: argparse.Namespace) -> WanConfig:
     """Raises ValueError for invalid values."""
     return WanConfig(
@@ -69,6 +89,7 @@ def _config(args: argparse.Namespace) -> WanConfig:
         max_in_flight=args.max_in_flight,
         target_loss=args.target_loss,
         swarm_flags=tuple(shlex.split(args.swarm_flags)),
+        method_budgets_s=_method_budgets(args.method_budget_s),
     )
 
 

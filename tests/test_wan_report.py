@@ -20,15 +20,18 @@ from bench.wan.report import (
     add_deeper_target,
     compare,
     comparison_tokens,
+    crossing,
     deeper_target_loss,
     default_target_loss,
     eval_bracket,
     exit_share,
     judge_targets,
+    ladder_rows,
     link_use,
     method_row,
     projected_time_to_target,
     step_span,
+    target_ladder,
     time_to_target,
     token_rate,
     tokens_to_target,
@@ -81,6 +84,30 @@ def test_time_to_target_is_the_first_eval_at_or_below_it_and_the_default_target_
     assert time_to_target(fast, 4.0) == 25.0
     assert time_to_target(slow, 4.9) is None
     assert default_target_loss([result("empty", [])]) is None
+
+
+def test_crossing_interpolates_between_the_last_eval_above_the_target_and_the_first_at_or_below_it() -> None:
+    curve = result("sync-dp", [(110.0, 400, 5.0), (10.0, 0, 8.0), (60.0, 200, 6.0), (160.0, 600, 4.0)])
+    assert crossing(curve, 5.5, "wall_s") == 75.0  # halfway from 6.0 (50 s after the first eval) to 5.0 (100 s)
+    assert crossing(curve, 5.5, "tokens") == 300.0
+    assert crossing(curve, 5.0, "wall_s") == 100.0 and crossing(curve, 9.0, "wall_s") == 0.0
+    assert crossing(curve, 3.9, "tokens") is None
+
+
+def test_the_ladder_takes_targets_sync_dp_reached_and_prices_each_methods_speed_up_in_tokens() -> None:
+    dp = result("sync-dp", [(0.0, 0, 8.0), (400.0, 100, 6.0), (800.0, 200, 5.0), (1000.0, 250, 5.2)])
+    ours = result("ours-streaming", [(0.0, 0, 8.0), (10.0, 300, 6.0), (20.0, 600, 5.0)])
+    reference = result("dp-reference", [(0.0, 0, 8.0), (5.0, 100, 6.0), (10.0, 150, 5.0)])
+    assert target_ladder([ours, dp]) == [7.25, 6.5, 5.75, 5.0]  # from 8.0 toward its best, 5.0
+    assert target_ladder([ours]) == [] and target_ladder([result("sync-dp", [(0.0, 0, 8.0)])]) == []
+    rows = ladder_rows([dp, ours, reference], [6.0, 5.0])
+    assert [(row["target_loss"], row["method"]) for row in rows] == [
+        (6.0, "sync-dp"), (6.0, "ours-streaming"), (5.0, "sync-dp"), (5.0, "ours-streaming"),
+    ]  # fmt: skip
+    assert rows[1]["speedup_vs_sync_dp"] == 40.0 and rows[3]["speedup_vs_sync_dp"] == 40.0
+    assert rows[1]["tokens_vs_data_parallel"] == 3.0 and rows[3]["tokens_vs_data_parallel"] == 4.0  # the reference's
+    assert ladder_rows([dp, ours], [5.0])[1]["tokens_vs_data_parallel"] == 3.0  # sync-dp's own tokens without it
+    assert ladder_rows([ours], [5.0])[0]["speedup_vs_sync_dp"] is None
 
 
 def test_a_gang_ranks_span_counts_the_compute_of_every_step_after_its_first_one(tmp_path: Path) -> None:
@@ -284,6 +311,10 @@ def test_write_report_reads_every_methods_logs_and_writes_json_markdown_and_plot
     assert ours["speedup_vs_sync_dp"] == 25.0 and ours["bytes_ratio_vs_sync_dp"] == pytest.approx(3000.0)
     assert ours["utilisation_min"] == pytest.approx(0.9) and dp["utilisation_min"] == 0.5
     assert [judgement["met"] for judgement in report["targets"]] == [True, None, False, True, True]
+    assert [(row["target_loss"], row["method"], row["speedup_vs_sync_dp"]) for row in report["ladder"][-2:]] == [
+        (5.0, "sync-dp", 1.0), (5.0, "ours-streaming", 25.0),
+    ]  # fmt: skip
+    assert "| 5.0000 | ours-streaming | 2.0 | 25.0× | 100 | 1.00× |" in markdown
     assert "| ours-streaming | 60 | 2.0 | 25.00× | 90.0% / 90.0% |" in markdown
     assert f"```\n{report['command']}\n```" in markdown
     assert (tmp_path / "results.md").read_text() == markdown
@@ -298,6 +329,9 @@ def test_write_report_reads_every_methods_logs_and_writes_json_markdown_and_plot
         (["--rate-mbit", "10", "--codec", "int4"], "error: invalid codec"),
         (["--rate-mbit", "10", "--swarm-flags=--fragments 2"], "error: swarm flags must not set ['--fragments']"),
         (["--rate-mbit", "10", "--report-only"], "error: "),
+        (["--rate-mbit", "10", "--method-budget-s", "sync-dp"], "error: --method-budget-s takes METHOD=SECONDS"),
+        (["--rate-mbit", "10", "--method-budget-s", "sync-dp=-1"], "error: the budget of sync-dp must be a positive"),
+        (["--rate-mbit", "10", "--methods", "sync-dp", "--method-budget-s", "ours-p1=9"], "error: budgets given for"),
     ],
 )
 def test_wan_script_refuses_bad_settings_in_one_line(tmp_path: Path, flags: list[str], message: str) -> None:

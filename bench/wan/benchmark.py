@@ -17,7 +17,8 @@ from __future__ import annotations
 import logging
 import math
 import os
-from dataclasses import asdict, dataclass
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
@@ -56,8 +57,10 @@ class RunFolderError(UserError):
 @dataclass(frozen=True)
 class WanConfig:
     """One WAN comparison. ``fragments``, ``codec`` and ``max_in_flight`` are ours-streaming's; ``target_loss`` None
-    means the report's default target; ``swarm_flags`` go to every unit of our methods (``p2p-diloco join`` flags).
-    Raises ValueError with a one-line message for an invalid value."""
+    means the report's default target; ``swarm_flags`` go to every unit of our methods (``p2p-diloco join`` flags);
+    ``method_budgets_s`` gives some methods their own wall-time budget instead of ``budget_s`` (sync-dp on slow links
+    needs far longer to reach a loss the others reach in minutes). Raises ValueError with a one-line message for an
+    invalid value."""
 
     units: int
     budget_s: float
@@ -71,14 +74,18 @@ class WanConfig:
     max_in_flight: int = 2
     target_loss: float | None = None
     swarm_flags: tuple[str, ...] = ()
+    method_budgets_s: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.units < 2:
             raise ValueError(f"units must be at least 2 (a single unit sends nothing), got {self.units}")
-        for name in ("budget_s", "rate_mbit"):
-            value = getattr(self, name)
+        for name, value in [("budget_s", self.budget_s), ("rate_mbit", self.rate_mbit),
+                            *((f"the budget of {m}", v) for m, v in self.method_budgets_s.items())]:  # fmt: skip
             if not (math.isfinite(value) and value > 0):
                 raise ValueError(f"{name} must be a positive number, got {value}")
+        idle = sorted(set(self.method_budgets_s) - set(self.methods))
+        if idle:
+            raise ValueError(f"budgets given for methods that do not run: {idle}")
         if self.target_loss is not None and not (math.isfinite(self.target_loss) and self.target_loss > 0):
             raise ValueError(f"target_loss must be a positive number, got {self.target_loss}")
         unknown = sorted(set(self.methods) - set(METHODS))
@@ -103,17 +110,21 @@ class WanConfig:
         }[method]  # fmt: skip
         return (*self.swarm_flags, *streaming)
 
+    def budget_for(self, method: str) -> float:
+        """``method``'s wall-time budget in seconds."""
+        return self.method_budgets_s.get(method, self.budget_s)
+
 
 def _target(method: str, config: WanConfig, network: ChaosNetwork, log: MetricsLog) -> ChaosTarget:
-    run_dir = config.out_dir / method
+    run_dir, budget_s = config.out_dir / method, config.budget_for(method)
     if method in SWARM_METHODS:
         flags = config.join_flags(method)
-        return SwarmTarget(method, config.units, run_dir, network, config.setup, config.budget_s, flags, log=log)
+        return SwarmTarget(method, config.units, run_dir, network, config.setup, budget_s, flags, log=log)
     # No faults: a collective that waited the whole budget is stuck, so that is its timeout.
     mode = "sync-dp" if method == QUALITY_REFERENCE else method
     return GangTarget(
-        method, cast(Mode, mode), "fixed", config.units, run_dir, network, config.setup, config.budget_s, log=log,
-        gloo_timeout_s=config.budget_s,
+        method, cast(Mode, mode), "fixed", config.units, run_dir, network, config.setup, budget_s, log=log,
+        gloo_timeout_s=budget_s,
     )  # fmt: skip
 
 
@@ -126,15 +137,14 @@ def _run_methods(config: WanConfig, network: Namespaces, log: MetricsLog) -> lis
     results = []
     for method in config.methods:
         target = _target(method, config, Loopback() if method == QUALITY_REFERENCE else network, log)
-        load = os.getloadavg()[0]
+        load, budget_s = os.getloadavg()[0], config.budget_for(method)
         log.write(MethodLoad(method=method, load_average_1min=load))
-        logger.info("wan method=%s budget_s=%.0f rate_mbit=%g load=%.1f", method, config.budget_s,
-                    config.rate_mbit, load)  # fmt: skip
+        logger.info("wan method=%s budget_s=%.0f rate_mbit=%g load=%.1f", method, budget_s, config.rate_mbit, load)
         if method == QUALITY_REFERENCE:  # on 127.0.0.1: nothing crosses the emulated links
-            results.append(run_schedule(target, [], config.budget_s, log))
+            results.append(run_schedule(target, [], budget_s, log))
             continue
         with LinkMonitor(network, _nodes(config), config.out_dir / method / LINKS_FILE):
-            results.append(run_schedule(target, [], config.budget_s, log))
+            results.append(run_schedule(target, [], budget_s, log))
     return results
 
 
@@ -149,6 +159,7 @@ def _header(config: WanConfig, schedule_log: Path) -> dict[str, Any]:
         "config": {
             "units": config.units,
             "budget_s": config.budget_s,
+            "method_budgets_s": dict(config.method_budgets_s),
             "seed": config.seed,
             "rate_mbit": config.rate_mbit,
             "tbf": {"rate_bit_s": rate_bit_s, "burst_bytes": burst_bytes, "limit_bytes": limit_bytes},

@@ -42,6 +42,7 @@ BASELINE = "sync-dp"
 QUALITY_REFERENCE = "dp-reference"
 LINKS_FILE = "links.jsonl"
 PEAK_WINDOW_S = 1.0
+LADDER_FRACTIONS = (0.25, 0.5, 0.75, 1.0)  # of sync-dp's drop in eval loss: the targets of the ladder
 
 
 @dataclass(frozen=True)
@@ -223,6 +224,76 @@ def projected_time_to_target(baseline: MethodResult, reference: MethodResult, ta
     the same all-reduce). None when either is unknown."""
     tokens, rate = tokens_to_target(reference, target_loss), token_rate(baseline)
     return tokens / rate if tokens is not None and rate else None
+
+
+def crossing(result: MethodResult, target_loss: float, axis: Literal["wall_s", "tokens"]) -> float | None:
+    """Where ``result``'s eval curve (in time order) first reaches ``target_loss``: wall seconds since its first eval,
+    or training tokens, interpolated linearly between the last eval above the target and the first at or below it (a
+    cadence of evals minutes apart, as sync-dp's on slow links, would otherwise count up to one interval too many).
+    None: never reached."""
+    points = sorted(result.evals, key=lambda point: point.wall_s)
+    origin = points[0].wall_s if points and axis == "wall_s" else 0.0
+    for index, point in enumerate(points):
+        if point.eval_loss > target_loss:
+            continue
+        if index == 0:
+            return getattr(point, axis) - origin
+        before = points[index - 1]
+        share = (before.eval_loss - target_loss) / (before.eval_loss - point.eval_loss)
+        return getattr(before, axis) + share * (getattr(point, axis) - getattr(before, axis)) - origin
+    return None
+
+
+def target_ladder(results: Sequence[MethodResult]) -> list[float]:
+    """Eval losses sync-dp reached on the links: from its first eval's loss toward its best by LADDER_FRACTIONS of the
+    drop, so that its time to every one is measured, not projected ([] without sync-dp evals or a drop)."""
+    baseline = next((result for result in results if result.method == BASELINE and result.evals), None)
+    if baseline is None:
+        return []
+    first = min(baseline.evals, key=lambda point: point.wall_s).eval_loss
+    best = min(point.eval_loss for point in baseline.evals)
+    return [first - fraction * (first - best) for fraction in LADDER_FRACTIONS] if best < first else []
+
+
+def ladder_rows(results: Sequence[MethodResult], targets: Sequence[float]) -> list[dict[str, Any]]:
+    """For every target and every method on the links: its time and tokens to the target (:func:`crossing`), the
+    speed-up (sync-dp's time over its own) and its tokens over data-parallel's (the quality reference's where it ran,
+    else sync-dp's: the same math), the token penalty that the speed-up pays; None where unknown."""
+    by_method = {result.method: result for result in results}
+    baseline = by_method.get(BASELINE)
+    data_parallel = by_method.get(QUALITY_REFERENCE, baseline)
+    rows = []
+    for target in targets:
+        base_time = crossing(baseline, target, "wall_s") if baseline else None
+        dp_tokens = crossing(data_parallel, target, "tokens") if data_parallel else None
+        for result in on_the_links(results):
+            time_s, tokens = crossing(result, target, "wall_s"), crossing(result, target, "tokens")
+            rows.append({
+                "target_loss": target, "method": result.method, "time_s": time_s, "tokens": tokens,
+                "speedup_vs_sync_dp": _ratio(base_time, time_s if time_s and time_s > 0 else None),
+                "tokens_vs_data_parallel": _ratio(tokens, dp_tokens),
+            })  # fmt: skip
+    return rows
+
+
+def ladder_lines(rows: Sequence[Mapping[str, Any]]) -> str:
+    """The markdown section of the target ladder ("" without one)."""
+    if not rows:
+        return ""
+    lines = [
+        "Time to several targets, every one of them reached by sync-dp on the links (its first eval's loss minus "
+        f"{', '.join(f'{f:.0%}' for f in LADDER_FRACTIONS)} of its drop to its best), interpolated between evals:",
+        "",
+        "| target eval loss | method | time to it (s) | speed-up vs sync-dp | tokens to it | tokens vs data-parallel |",
+        "|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        lines.append(
+            f"| {row['target_loss']:.4f} | {row['method']} | {_cell(row['time_s'], ',.1f')} "
+            f"| {_cell(row['speedup_vs_sync_dp'], '.1f', suffix='×')} | {_cell(row['tokens'], ',.0f')} "
+            f"| {_cell(row['tokens_vs_data_parallel'], '.2f', suffix='×')} |"
+        )
+    return "\n".join(lines)
 
 
 def eval_bracket(result: MethodResult, tokens: int) -> tuple[int, int] | None:
@@ -489,6 +560,7 @@ def write_report(
     deeper = deeper_target_loss(results)
     add_deeper_target(rows, results, deeper)
     judgements = judge_targets(rows)
+    ladder = ladder_rows(results, target_ladder(results))
     (out_dir / "results.json").write_text(
         json.dumps(
             {
@@ -499,6 +571,7 @@ def write_report(
                 "equal_tokens": tokens,
                 "deeper_target_loss": deeper,
                 "targets": judgements,
+                "ladder": ladder,
                 "methods": rows,
             },
             indent=2,
@@ -512,6 +585,7 @@ def write_report(
     sections = [
         markdown_table(rows, target, tokens),
         deeper_target_lines(rows, deeper),
+        ladder_lines(ladder),
         "Targets of the issue:\n\n" + "\n".join(f"- {j['line']}" for j in judgements) if judgements else "",
         "Definitions:\n\n" + DEFINITIONS.rstrip(),
         "Notes:\n\n" + "\n".join(notes) if notes else "",
