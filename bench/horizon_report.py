@@ -16,6 +16,7 @@ from bench.horizon import Horizon, SeededResult
 from bench.quality_report import gap_percent, result_row
 
 REPORT = "horizon.json"
+PENALTY_AT = (0.1, 0.25, 0.5, 1.0)  # of the run's tokens: where data-parallel's loss sets the token-penalty targets
 
 
 def document(results: Sequence[SeededResult], horizon: Horizon, parameters: int, command: str,
@@ -60,6 +61,48 @@ def gaps(doc: dict[str, Any], name: str, reference: str) -> dict[int, float]:
     return {seed: gap_percent(loss, base[seed]) for seed, loss in own.items() if seed in base}
 
 
+def loss_at(points: Sequence[dict[str, Any]], tokens: float) -> float:
+    """A curve's eval loss at ``tokens``, interpolated linearly between its evals (held at its ends)."""
+    ordered = sorted(points, key=lambda point: point["tokens"])
+    for before, after in zip(ordered, ordered[1:]):
+        if before["tokens"] <= tokens <= after["tokens"]:
+            share = (tokens - before["tokens"]) / (after["tokens"] - before["tokens"])
+            return float(before["loss"] + share * (after["loss"] - before["loss"]))
+    return float(ordered[0]["loss"] if tokens < ordered[0]["tokens"] else ordered[-1]["loss"])
+
+
+def tokens_to(points: Sequence[dict[str, Any]], loss: float) -> float | None:
+    """The tokens at which a curve first reaches ``loss``, interpolated linearly between the last eval above it and
+    the first at or below it (None: never)."""
+    ordered = sorted(points, key=lambda point: point["tokens"])
+    for index, point in enumerate(ordered):
+        if point["loss"] <= loss:
+            if index == 0:
+                return float(point["tokens"])
+            before = ordered[index - 1]
+            share = (before["loss"] - loss) / (before["loss"] - point["loss"])
+            return float(before["tokens"] + share * (point["tokens"] - before["tokens"]))
+    return None
+
+
+def token_penalties(doc: dict[str, Any], name: str, reference: str) -> list[float | None]:
+    """For each fraction f of PENALTY_AT: the tokens method ``name`` needed to reach ``reference``'s eval loss at f of
+    the run's tokens, over f times those tokens (1: as token-efficient as data-parallel there), the median over the
+    seeds both ran; None where a seed never reached it (no median of a censored sample)."""
+    curves = {row["seed"]: row["points"] for row in doc["rows"] if row["method"]["name"] == name}
+    base = {row["seed"]: row for row in doc["rows"] if row["method"]["name"] == reference}
+    penalties: list[float | None] = []
+    for fraction in PENALTY_AT:
+        ratios = []
+        for seed in sorted(set(curves) & set(base)):
+            at = fraction * base[seed]["tokens"]
+            needed = tokens_to(curves[seed], loss_at(base[seed]["points"], at))
+            ratios.append(None if needed is None else needed / at)
+        known = [ratio for ratio in ratios if ratio is not None]
+        penalties.append(statistics.median(known) if known and len(known) == len(ratios) else None)
+    return penalties
+
+
 def data_parallel_name(doc: dict[str, Any]) -> str | None:
     return next((row["method"]["name"] for row in doc["rows"] if row["method"]["kind"] == "data-parallel"), None)
 
@@ -97,7 +140,24 @@ def markdown(doc: dict[str, Any]) -> str:
         )
     lines += ["", "Eval loss: the held-out batches every unit shares; for DiLoCo methods, that of the units' mean φ "
               "at the end (after the last rounds arrived). Seeds in increasing order.", ""]  # fmt: skip
+    if reference is not None:
+        lines += _penalty_lines(doc, reference)
     return "\n".join(lines)
+
+
+def _penalty_lines(doc: dict[str, Any], reference: str) -> list[str]:
+    fractions = " / ".join(f"{fraction:.0%}" for fraction in PENALTY_AT)
+    lines = [
+        f"Tokens to {reference}'s eval loss at {fractions} of the run's tokens, over the tokens {reference} needed "
+        "(median over seeds, curves interpolated between evals; n/a: a seed never got there):", "",
+        f"| method | {' | '.join(f'at {fraction:.0%}' for fraction in PENALTY_AT)} |",
+        "|---|" + "---|" * len(PENALTY_AT),
+    ]  # fmt: skip
+    for name in method_names(doc):
+        if name != reference:
+            cells = ["n/a" if ratio is None else f"{ratio:.2f}×" for ratio in token_penalties(doc, name, reference)]
+            lines.append(f"| {name} | {' | '.join(cells)} |")
+    return [*lines, ""]
 
 
 def plot(doc: dict[str, Any], path: Path) -> None:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from bench.horizon import Horizon, run_seeds
-from bench.horizon_report import document, gaps, markdown, merge, write_report
+from bench.horizon_report import document, gaps, loss_at, markdown, merge, token_penalties, tokens_to, write_report
 from bench.quality import run_method
 
 SMALL_MODEL = {"model__model_config": "bench/models/gpt2-l2-d32", "model__tokenizer": "p2p_diloco/assets/tiny-gpt2",
@@ -77,6 +77,22 @@ def test_the_report_gives_each_seed_and_the_median_gap_and_merges_runs_of_one_ho
         merge([first, {**second, "parameters": 11}])
     write_report(merged, tmp_path)
     assert json.loads((tmp_path / "horizon.json").read_text()) == merged and (tmp_path / "horizon.png").exists()
+
+
+def test_token_penalties_are_the_tokens_to_data_parallels_loss_at_fractions_of_the_run_over_its_own() -> None:
+    dp = [{"tokens": 0, "loss": 9.0}, {"tokens": 100, "loss": 5.0}, {"tokens": 400, "loss": 4.0}]
+    slow = [{"tokens": 0, "loss": 9.0}, {"tokens": 200, "loss": 5.0}, {"tokens": 400, "loss": 4.5}]
+    assert loss_at(dp, 50) == 7.0 and loss_at(dp, 1000) == 4.0 and tokens_to(slow, 7.0) == 100.0
+    assert tokens_to(slow, 4.0) is None and tokens_to(dp, 9.5) == 0.0
+    rows = [
+        {"seed": seed, "method": {"name": name, "kind": kind}, "tokens": 400, "points": points}
+        for seed in (0, 1) for name, kind, points in [("dp", "data-parallel", dp), ("m4", "diloco", slow)]
+    ]  # fmt: skip
+    doc = {"rows": rows}
+    # dp's loss at 10% (40 tokens) is 7.4, which m4 reaches at 80 tokens; at 25% (100) 5.0 at 200; at 50% (200)
+    # 4.6667 at 333.3; at 100% 4.0, never
+    assert token_penalties(doc, "m4", "dp") == pytest.approx([2.0, 2.0, 1.6667, None], abs=1e-4)
+    assert token_penalties(doc, "dp", "dp") == pytest.approx([1.0, 1.0, 1.0, 1.0])
 
 
 def test_a_global_batch_that_does_not_split_is_refused() -> None:
