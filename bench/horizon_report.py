@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from bench.curves import first_reach, loss_at
 from bench.horizon import Horizon, SeededResult
 from bench.quality_report import gap_percent, result_row
 
@@ -61,42 +62,22 @@ def gaps(doc: dict[str, Any], name: str, reference: str) -> dict[int, float]:
     return {seed: gap_percent(loss, base[seed]) for seed, loss in own.items() if seed in base}
 
 
-def loss_at(points: Sequence[dict[str, Any]], tokens: float) -> float:
-    """A curve's eval loss at ``tokens``, interpolated linearly between its evals (held at its ends)."""
-    ordered = sorted(points, key=lambda point: point["tokens"])
-    for before, after in zip(ordered, ordered[1:]):
-        if before["tokens"] <= tokens <= after["tokens"]:
-            share = (tokens - before["tokens"]) / (after["tokens"] - before["tokens"])
-            return float(before["loss"] + share * (after["loss"] - before["loss"]))
-    return float(ordered[0]["loss"] if tokens < ordered[0]["tokens"] else ordered[-1]["loss"])
-
-
-def tokens_to(points: Sequence[dict[str, Any]], loss: float) -> float | None:
-    """The tokens at which a curve first reaches ``loss``, interpolated linearly between the last eval above it and
-    the first at or below it (None: never)."""
-    ordered = sorted(points, key=lambda point: point["tokens"])
-    for index, point in enumerate(ordered):
-        if point["loss"] <= loss:
-            if index == 0:
-                return float(point["tokens"])
-            before = ordered[index - 1]
-            share = (before["loss"] - loss) / (before["loss"] - point["loss"])
-            return float(before["tokens"] + share * (point["tokens"] - before["tokens"]))
-    return None
+def _curve(row: dict[str, Any]) -> list[tuple[float, float]]:
+    return [(point["tokens"], point["loss"]) for point in row["points"]]
 
 
 def token_penalties(doc: dict[str, Any], name: str, reference: str) -> list[float | None]:
     """For each fraction f of PENALTY_AT: the tokens method ``name`` needed to reach ``reference``'s eval loss at f of
     the run's tokens, over f times those tokens (1: as token-efficient as data-parallel there), the median over the
     seeds both ran; None where a seed never reached it (no median of a censored sample)."""
-    curves = {row["seed"]: row["points"] for row in doc["rows"] if row["method"]["name"] == name}
+    curves = {row["seed"]: _curve(row) for row in doc["rows"] if row["method"]["name"] == name}
     base = {row["seed"]: row for row in doc["rows"] if row["method"]["name"] == reference}
     penalties: list[float | None] = []
     for fraction in PENALTY_AT:
         ratios = []
         for seed in sorted(set(curves) & set(base)):
             at = fraction * base[seed]["tokens"]
-            needed = tokens_to(curves[seed], loss_at(base[seed]["points"], at))
+            needed = first_reach(curves[seed], loss_at(_curve(base[seed]), at))
             ratios.append(None if needed is None else needed / at)
         known = [ratio for ratio in ratios if ratio is not None]
         penalties.append(statistics.median(known) if known and len(known) == len(ratios) else None)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.curves import loss_at as curve_loss_at
 from bench.quality import Budget, Method, MethodResult, run_method
 from p2p_diloco.unit.events import Eval, InnerStep, OuterRound, read_events
 
@@ -104,13 +105,8 @@ def in_process(swarm: SwarmRun, seed: int = 0) -> list[MethodResult]:
 
 
 def loss_at(result: MethodResult, tokens: float) -> float:
-    """The method's eval loss at ``tokens``, linear between its eval points (the last one past its end)."""
-    points = result.points
-    for before, after in zip(points, points[1:]):
-        if before.tokens <= tokens <= after.tokens:
-            share = (tokens - before.tokens) / max(1, after.tokens - before.tokens)
-            return before.loss + share * (after.loss - before.loss)
-    return points[-1].loss
+    """The method's eval loss at ``tokens``, linear between its eval points (held at its ends)."""
+    return curve_loss_at([(point.tokens, point.loss) for point in result.points], tokens)
 
 
 def comparison(swarm: SwarmRun, results: list[MethodResult]) -> dict[str, Any]:

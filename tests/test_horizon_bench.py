@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench.curves import first_reach, loss_at
 from bench.horizon import Horizon, run_seeds
-from bench.horizon_report import document, gaps, loss_at, markdown, merge, token_penalties, tokens_to, write_report
+from bench.horizon_report import document, gaps, markdown, merge, token_penalties, write_report
 from bench.quality import run_method
 
 SMALL_MODEL = {"model__model_config": "bench/models/gpt2-l2-d32", "model__tokenizer": "p2p_diloco/assets/tiny-gpt2",
@@ -79,11 +80,18 @@ def test_the_report_gives_each_seed_and_the_median_gap_and_merges_runs_of_one_ho
     assert json.loads((tmp_path / "horizon.json").read_text()) == merged and (tmp_path / "horizon.png").exists()
 
 
+def test_curves_interpolate_the_loss_at_a_point_and_where_a_loss_is_first_reached() -> None:
+    curve = [(100.0, 5.0), (0.0, 9.0), (400.0, 4.0), (500.0, 4.2)]
+    assert loss_at(curve, 50) == 7.0 and loss_at(curve, 1000) == 4.2 and loss_at(curve, -5) == 9.0
+    assert first_reach(curve, 7.0) == 50.0 and first_reach(curve, 9.5) == 0.0 and first_reach(curve, 3.9) is None
+    assert first_reach(curve, 4.1) == pytest.approx(370.0)  # the first time below, not where the curve ends
+    with pytest.raises(ValueError):
+        loss_at([], 1.0)
+
+
 def test_token_penalties_are_the_tokens_to_data_parallels_loss_at_fractions_of_the_run_over_its_own() -> None:
     dp = [{"tokens": 0, "loss": 9.0}, {"tokens": 100, "loss": 5.0}, {"tokens": 400, "loss": 4.0}]
     slow = [{"tokens": 0, "loss": 9.0}, {"tokens": 200, "loss": 5.0}, {"tokens": 400, "loss": 4.5}]
-    assert loss_at(dp, 50) == 7.0 and loss_at(dp, 1000) == 4.0 and tokens_to(slow, 7.0) == 100.0
-    assert tokens_to(slow, 4.0) is None and tokens_to(dp, 9.5) == 0.0
     rows = [
         {"seed": seed, "method": {"name": name, "kind": kind}, "tokens": 400, "points": points}
         for seed in (0, 1) for name, kind, points in [("dp", "data-parallel", dp), ("m4", "diloco", slow)]

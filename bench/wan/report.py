@@ -32,6 +32,7 @@ from bench.chaos.report import (  # noqa: E402
     plot_eval_curves,
 )
 from bench.chaos.results import MethodResult  # noqa: E402
+from bench.curves import first_reach  # noqa: E402
 from bench.events import LinkBytes, RankStep  # noqa: E402
 from p2p_diloco.unit.events import InnerStep, Stop, read_events  # noqa: E402
 
@@ -228,20 +229,19 @@ def projected_time_to_target(baseline: MethodResult, reference: MethodResult, ta
 
 def crossing(result: MethodResult, target_loss: float, axis: Literal["wall_s", "tokens"]) -> float | None:
     """Where ``result``'s eval curve (in time order) first reaches ``target_loss``: wall seconds since its first eval,
-    or training tokens, interpolated linearly between the last eval above the target and the first at or below it (a
-    cadence of evals minutes apart, as sync-dp's on slow links, would otherwise count up to one interval too many).
-    None: never reached."""
+    or training tokens, interpolated between evals (:func:`bench.curves.first_reach`; sync-dp's evals on slow links
+    are minutes apart). None: never reached."""
     points = sorted(result.evals, key=lambda point: point.wall_s)
-    origin = points[0].wall_s if points and axis == "wall_s" else 0.0
-    for index, point in enumerate(points):
-        if point.eval_loss > target_loss:
-            continue
-        if index == 0:
-            return getattr(point, axis) - origin
-        before = points[index - 1]
-        share = (before.eval_loss - target_loss) / (before.eval_loss - point.eval_loss)
-        return getattr(before, axis) + share * (getattr(point, axis) - getattr(before, axis)) - origin
-    return None
+    if axis == "wall_s":
+        origin = points[0].wall_s if points else 0.0
+        return _shifted(first_reach([(point.wall_s, point.eval_loss) for point in points], target_loss), -origin)
+    if any(later.tokens < earlier.tokens for earlier, later in zip(points, points[1:])):
+        raise ValueError(f"{result.method}: tokens in its consensus model went down between evals")
+    return first_reach([(point.tokens, point.eval_loss) for point in points], target_loss)
+
+
+def _shifted(value: float | None, by: float) -> float | None:
+    return None if value is None else value + by
 
 
 def target_ladder(results: Sequence[MethodResult]) -> list[float]:
