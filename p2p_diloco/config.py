@@ -113,6 +113,10 @@ Schedule = Literal["clock", "steps"]  # when rounds are due (rounds/engine.py, r
 
 class OuterSection(_Section):
     inner_steps: int = Field(20, ge=1, description="H: inner steps between two outer rounds")
+    warmup_rounds: int = Field(
+        0, ge=0, le=8, description="k: the first k rounds come after H/2^k, H/2^(k-1), ... inner steps, then every H "
+        "(short rounds while the loss falls fast)",
+    )  # fmt: skip
     # Defaults: a plain average of the units' parameters (outer lr 1, no momentum), the best outer step in fine-tuning
     # over 200 rounds and in every run of tens of rounds the quality bench measured; pre-training from scratch over 200
     # rounds, momentum 0.5 was better in every seed (results/quality/horizon/README.md). The literature's Nesterov (lr

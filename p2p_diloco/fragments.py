@@ -117,10 +117,13 @@ def first_round_offset(fragment: int, count: int, inner_steps: int) -> int:
     return max(1, round(inner_steps * (fragment + 1) / count))
 
 
-def due_fragments(steps_since_round: Sequence[int], busy: Collection[int], free: int, inner_steps: int) -> list[int]:
-    """Fragments whose round should begin now: at least ``inner_steps`` steps since their last round, not ``busy``
-    (with a round in flight), most overdue first (ties: lower number), and at most ``free`` of them (the slots the
-    in-flight bound leaves)."""
-    waiting = [number for number, steps in enumerate(steps_since_round) if steps >= inner_steps and number not in busy]
+def due_fragments(
+    steps_since_round: Sequence[int], busy: Collection[int], free: int, inner_steps: Sequence[int]
+) -> list[int]:
+    """Fragments whose round should begin now: at least their ``inner_steps`` steps since their last round, not
+    ``busy`` (with a round in flight), most overdue first (ties: lower number), and at most ``free`` of them (the slots
+    the in-flight bound leaves)."""
+    waiting = [number for number, steps in enumerate(steps_since_round)
+               if steps >= inner_steps[number] and number not in busy]  # fmt: skip
     waiting.sort(key=lambda number: (-steps_since_round[number], number))
     return waiting[: max(0, free)]

@@ -158,6 +158,29 @@ def test_units_of_different_speeds_meet_at_every_boundary_of_the_shared_clock() 
     assert all(torch.equal(a, b) for a, b in zip(fast.state.global_params, slow.state.global_params))
 
 
+def test_the_period_grows_with_h_over_the_warm_up_rounds() -> None:
+    """H = 40 inner steps of 0.1 s with two warm-up rounds: the rounds after outer rounds 0, 1 and 2 come after 10, 20
+    and 40 steps' time, so the period goes 1, 2 and then 4 s (at least the two 0.5-s windows)."""
+    group = TimedGroup()
+    plan = plan_of(inner_steps=40, warmup_rounds=2, min_window_s=0.5, max_window_s=0.5)
+    units = engines(2, plan, group)
+    periods: list[float] = []
+    now = 20_000.0
+    for _ in range(200):  # 20 s in steps of 0.1 s
+        now += 0.1
+        group.advance(now)
+        for engine in units:
+            step(engine, 0.01)
+            engine.poll()
+            engine.begin_due(0.1, now)
+        schedule = units[0].schedule
+        assert isinstance(schedule, ClockSchedule)
+        if schedule.period_s is not None and (not periods or periods[-1] != schedule.period_s):
+            periods.append(schedule.period_s)
+    assert periods == [1.0, 2.0, 4.0] and units[0].outer_round >= 4
+    assert all(torch.equal(a, b) for a, b in zip(units[0].state.global_params, units[1].state.global_params))
+
+
 def settle_template(engine: RoundEngine) -> list[torch.Tensor]:
     return [torch.zeros(engine.state.whole.numel)]
 

@@ -68,10 +68,11 @@ def test_first_rounds_are_staggered_over_the_period():
 
 
 def test_due_fragments_orders_by_overdue_and_respects_the_bound():
-    assert due_fragments([20, 25, 3, 40], busy=set(), free=2, inner_steps=20) == [3, 1]
-    assert due_fragments([20, 25, 3, 40], busy={3}, free=1, inner_steps=20) == [1]
-    assert due_fragments([20, 25, 3, 40], busy={0, 3}, free=0, inner_steps=20) == []
-    assert due_fragments([20, 25, 3, 40], busy={0, 3}, free=-1, inner_steps=20) == [], "a bound already exceeded"
+    assert due_fragments([20, 25, 3, 40], busy=set(), free=2, inner_steps=[20] * 4) == [3, 1]
+    assert due_fragments([20, 25, 3, 40], busy=set(), free=4, inner_steps=[25, 30, 3, 40]) == [3, 2], "its own H"
+    assert due_fragments([20, 25, 3, 40], busy={3}, free=1, inner_steps=[20] * 4) == [1]
+    assert due_fragments([20, 25, 3, 40], busy={0, 3}, free=0, inner_steps=[20] * 4) == []
+    assert due_fragments([20, 25, 3, 40], busy={0, 3}, free=-1, inner_steps=[20] * 4) == [], "a bound already exceeded"
 
 
 @pytest.mark.parametrize("count,max_in_flight", [(4, 1), (4, 2), (8, 3), (2, 2)])
@@ -89,7 +90,7 @@ def test_simulated_schedule_never_exceeds_the_in_flight_bound(count, max_in_flig
             steps_since[number] = 0
             rounds[number] += 1
         free = max_in_flight - len(arrives_at)
-        for number in due_fragments(steps_since, arrives_at.keys(), free, inner_steps):
+        for number in due_fragments(steps_since, arrives_at.keys(), free, [inner_steps] * count):
             arrives_at[number] = step + rng.randint(1, 30)
         assert len(arrives_at) <= max_in_flight
     assert min(rounds) >= 2000 // (inner_steps + 30 * count) > 0

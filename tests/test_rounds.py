@@ -37,6 +37,7 @@ NEUTRAL = [
     {"window_fraction": 0.25, "min_window_s": 0.5, "max_window_s": 10.0},
     {"allreduce_timeout_s": 5.0},
     {"inner_steps": 7},
+    {"warmup_rounds": 2},
     {"max_in_flight": 1},
     {"consensus_tolerance": 0.5},
     {"schedule": "clock"},
@@ -105,6 +106,14 @@ def test_the_matchmaking_window_is_a_clamped_fraction_of_the_period() -> None:
     assert plan.window_s(0.01) == 1.0 and plan.window_s(10.0) == 8.0
     engine = engine_of(plan, [FakeGroup()])
     assert engine.final_round_bound_s(0.5) == pytest.approx(5.0 + 1.0 + plan.group.allreduce_timeout_s)
+
+
+def test_warm_up_rounds_halve_h_back_from_the_last_one_and_their_windows_follow() -> None:
+    plan = plan_of(inner_steps=100, warmup_rounds=2, window_fraction=0.5, min_window_s=1.0, max_window_s=80.0)
+    assert [plan.inner_steps_at(outer_round) for outer_round in range(5)] == [25, 50, 100, 100, 100]
+    assert plan_of(inner_steps=3, warmup_rounds=3).inner_steps_at(0) == 1  # never below one step
+    assert plan_of(inner_steps=100).inner_steps_at(0) == 100
+    assert plan.window_s(0.5, plan.inner_steps_at(0)) == pytest.approx(6.25) and plan.window_s(0.5) == 25.0
 
 
 def test_a_fragment_count_the_model_cannot_be_split_into_is_a_config_error() -> None:

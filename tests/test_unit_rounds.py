@@ -243,6 +243,15 @@ def test_run_begins_a_round_every_h_steps(make_peer: PeerFactory) -> None:
     assert a.records.progress["a"].inner_step >= 1
 
 
+def test_the_warm_up_rounds_come_after_a_quarter_then_half_of_h_steps_then_every_h(make_peer: PeerFactory) -> None:
+    a = make_peer("a", FakeGroup(), run__max_steps=20, outer__inner_steps=4, outer__warmup_rounds=2)
+    a.unit.run(threading.Event())
+    begun_at = [begin.inner_step for begin in a.events(OuterRoundBegin)]
+    # as above: a round begins H_r steps after the previous one merged, one step after it began; H_r = 1, 2, 4, 4, ...
+    assert begun_at[:5] == [1, 4, 9, 14, 19]
+    assert [event.overlap_steps for event in a.events(OuterRound)][:4] == [1, 1, 1, 1]
+
+
 def test_the_unit_counts_the_live_units_and_stops_at_its_wall_clock_time(make_peer: PeerFactory) -> None:
     a = make_peer("a", FakeGroup(), run__max_steps=1, run__stop_at=time.time() + 3600)
     for other in ("b", "c"):

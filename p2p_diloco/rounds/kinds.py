@@ -61,9 +61,9 @@ class FragmentRound:
         )  # fmt: skip
         if not begun:
             return RoundBegin(round_id, RoundStatus.DEFERRED, rounds.outer_round), None
-        # a round of fewer than H steps (a joiner's first, a staggered fragment's) is measured against a full one's
+        # a round of fewer than its H steps (a joiner's first, a staggered fragment's) is measured against a full one's
         trained_steps = rounds.tokens_since_round / max(1, state.step_tokens)
-        step_scale = own_step * max(1.0, plan.inner_steps / max(1.0, trained_steps))
+        step_scale = own_step * max(1.0, plan.inner_steps_at(rounds.outer_round) / max(1.0, trained_steps))
         sent = rounds.mark_sent(payload, local_at_send, momentum_proposal, state.steps, step_scale)
         return RoundBegin(round_id, RoundStatus.BEGUN, rounds.outer_round, window_s, weight), sent
 

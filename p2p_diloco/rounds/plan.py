@@ -113,10 +113,10 @@ class ConsensusRounds:
 @dataclass(frozen=True)
 class RoundPlan:
     """How a unit's outer rounds are laid out, derived once by :meth:`from_config`: the only reader of ``[outer]``.
-    When rounds come: every ``inner_steps`` by the ``schedule``, at most ``max_in_flight`` at once; what they carry
-    and do (``step``), whom they meet (``window``, ``group``), the corrections (``consensus``: None without consensus
-    rounds; ``settle_rounds`` at exit), and what a unit keeps of the steps it made while a round was in flight
-    (``overlap``)."""
+    When rounds come: every ``inner_steps`` (fewer during the first ``warmup_rounds``) by the ``schedule``, at most
+    ``max_in_flight`` at once; what they carry and do (``step``), whom they meet (``window``, ``group``), the
+    corrections (``consensus``: None without consensus rounds; ``settle_rounds`` at exit), and what a unit keeps of
+    the steps it made while a round was in flight (``overlap``)."""
 
     fragments: tuple[Fragment, ...]
     inner_steps: int
@@ -128,6 +128,7 @@ class RoundPlan:
     consensus: ConsensusRounds | None
     settle_rounds: int
     overlap: Overlap = Overlap()
+    warmup_rounds: int = 0
 
     @classmethod
     def from_config(cls, outer: OuterSection, shapes: Sequence[torch.Size | Sequence[int]],
@@ -155,7 +156,13 @@ class RoundPlan:
             group=Groups(outer.quorum, outer.target_group_size, outer.allreduce_timeout_s),
             consensus=ConsensusRounds(outer.consensus_every_rounds, outer.consensus_tolerance) if consensus else None,
             settle_rounds=outer.settle_rounds, overlap=Overlap(outer.overlap_rule, outer.overlap_factor),
+            warmup_rounds=outer.warmup_rounds,
         )  # fmt: skip
+
+    def inner_steps_at(self, outer_round: int) -> int:
+        """H of the round that follows outer round ``outer_round``: H / 2^(k − outer_round) (at least 1) during the
+        ``warmup_rounds`` k, then H. A unit that joins a swarm past the warm-up takes H at once."""
+        return max(1, self.inner_steps >> max(0, self.warmup_rounds - outer_round))
 
     @property
     def keeps_momentum(self) -> bool:
@@ -203,15 +210,17 @@ class RoundPlan:
         """Per fragment, a tensor shaped like one consensus round's payload (φ_p flat)."""
         return [[torch.zeros(fragment.numel)] for fragment in self.fragments]
 
-    def window_s(self, step_time_s: float | None) -> float:
-        """The matchmaking window (see :class:`Window`; the minimum before any step was measured).
+    def window_s(self, step_time_s: float | None, inner_steps: int | None = None) -> float:
+        """The matchmaking window of a round of ``inner_steps`` (default H; see :class:`Window`; the minimum before any
+        step was measured).
 
         With a window of half a round period, two units meet whatever their phase; units that averaged together end
         the round together and stay in phase afterwards."""
         window = self.window
         if step_time_s is None:
             return window.min_s
-        return min(window.max_s, max(window.min_s, window.fraction * self.inner_steps * step_time_s))
+        steps = self.inner_steps if inner_steps is None else inner_steps
+        return min(window.max_s, max(window.min_s, window.fraction * steps * step_time_s))
 
     def clock(self) -> RoundClock | None:
         """A new round clock for the ``clock`` schedule (None for ``steps``): the period holds at least two minimum

@@ -107,9 +107,12 @@ class StepSchedule:
     def fragments_due(self, fragments: list[FragmentRounds], busy: set[int], free: int, step_time_s: float | None,
                       now: float, census: dict[str, float]) -> list[Due]:  # fmt: skip
         steps = [rounds.steps_since_round for rounds in fragments]
-        window_s = self.plan.window_s(step_time_s)
-        numbers = due_fragments(steps, busy, free, self.plan.inner_steps)
-        return [Due(RoundId(RoundKind.FRAGMENT, number), window_s, now + window_s) for number in numbers]
+        due_after = [self.plan.inner_steps_at(rounds.outer_round) for rounds in fragments]
+        dues = []
+        for number in due_fragments(steps, busy, free, due_after):
+            window_s = self.plan.window_s(step_time_s, due_after[number])
+            dues.append(Due(RoundId(RoundKind.FRAGMENT, number), window_s, now + window_s))
+        return dues
 
     def began(self, due: Due) -> None:
         pass
@@ -188,6 +191,8 @@ class ClockSchedule(StepSchedule):
         self._ended_since_look.clear()
         target = self.plan.group.target_size
         self.clock.rounds_per_period = 2 if self.plan.mixes and len(census.keys() | {self.peer_id}) > target else 1
+        outer_round = min((rounds.outer_round for rounds in fragments), default=self.plan.warmup_rounds)
+        self.clock.inner_steps = self.plan.inner_steps_at(outer_round)  # the warm-up's H, then H
         self.clock.update(step_time_s, self.busy_s or 0.0)
         self.clock.follow_census(census.values())
         dues: list[Due] = []

@@ -134,7 +134,7 @@ class OuterState:
     def restart_schedules(self) -> None:
         """Every fragment's counters start over (its first round after its staggered offset)."""
         for rounds in self.fragments:
-            rounds.restart_schedule(len(self.fragments), self.plan.inner_steps)
+            rounds.restart_schedule(len(self.fragments), self.plan.inner_steps_at(rounds.outer_round))
 
     def reset_local(self) -> None:
         """θ ← φ (a diverged θ) and every fragment's schedule starts over (a held merge is dropped)."""
