@@ -174,6 +174,18 @@ def test_throughput_converges_to_a_steady_rate() -> None:
     assert throughput.tokens_per_s == pytest.approx(4000, rel=1e-6)
 
 
+def test_one_stalled_step_does_not_move_the_step_time_rounds_are_scheduled_by() -> None:
+    throughput = Throughput()
+    for _ in range(20):
+        throughput.add(tokens=512, seconds=0.1)
+    throughput.add(tokens=512, seconds=30.0)  # the step a frozen process was stopped in
+    assert throughput.step_time_s == pytest.approx(0.1)
+    assert throughput.tokens_per_s == pytest.approx(512 / (0.1 + 0.1 * 29.9))  # the reported rate still shows it
+    for _ in range(16):
+        throughput.add(tokens=512, seconds=0.3)  # a lasting change is followed within a window of steps
+    assert throughput.step_time_s == pytest.approx(0.3)
+
+
 @pytest.mark.parametrize("tokens, seconds", [(-1, 1.0), (1, 0.0), (1, -1.0), (1, float("nan")), (1, float("inf"))])
 def test_throughput_rejects_bad_samples(tokens: int, seconds: float) -> None:
     with pytest.raises(ValueError):

@@ -5,8 +5,10 @@ from __future__ import annotations
 import json
 import logging
 import math
+import statistics
 import sys
 import threading
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -102,9 +104,13 @@ class ProgressBars:
                 bar.close()
 
 
+STEP_WINDOW = 16  # the inner-step periods whose median is the step time that rounds are scheduled by
+
+
 @dataclass
 class Throughput:
-    """Exponential moving averages of tokens per inner step and seconds per inner step.
+    """Exponential moving averages of tokens per inner step and seconds per inner step (the throughput a unit reports),
+    and the median of the last STEP_WINDOW step periods (the step time its rounds are scheduled by).
 
     ``smoothing`` is the weight of the newest sample (1 = no averaging); the first sample is taken as is.
     """
@@ -112,6 +118,7 @@ class Throughput:
     smoothing: float = 0.1
     _tokens: float | None = field(default=None, init=False, repr=False)
     _seconds: float | None = field(default=None, init=False, repr=False)
+    _recent: deque[float] = field(default_factory=lambda: deque(maxlen=STEP_WINDOW), init=False, repr=False)
 
     def __post_init__(self) -> None:
         if not 0.0 < self.smoothing <= 1.0:
@@ -126,6 +133,7 @@ class Throughput:
         else:
             self._tokens += self.smoothing * (tokens - self._tokens)
             self._seconds += self.smoothing * (seconds - self._seconds)
+        self._recent.append(seconds)
 
     @property
     def tokens_per_s(self) -> float | None:
@@ -136,8 +144,11 @@ class Throughput:
 
     @property
     def step_time_s(self) -> float | None:
-        """Averaged seconds per inner step (sizes timeouts); None before the first sample."""
-        return self._seconds
+        """The median of the last STEP_WINDOW inner-step periods (sizes the round period, windows and timeouts); None
+        before the first sample. One step stalled for seconds (a stopped process, swapping) does not move it: with the
+        moving average, a unit frozen for 30 s wanted a 64-s period and the census carried it to the whole swarm,
+        which then went a minute without a round (tests/test_chaos_swarm.py's frozen unit, once in a whole suite)."""
+        return statistics.median(self._recent) if self._recent else None
 
 
 class _AboveBars(logging.StreamHandler):
