@@ -13,10 +13,10 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
 from matplotlib.axes import Axes  # noqa: E402
 
 from bench.chaos.results import MethodResult  # noqa: E402
+from bench.curves import loss_at as curve_loss_at  # noqa: E402
 
 
 def equal_tokens(results: list[MethodResult]) -> int | None:
@@ -29,11 +29,8 @@ def equal_tokens(results: list[MethodResult]) -> int | None:
 def loss_at_tokens(result: MethodResult, tokens: int) -> float | None:
     """Eval loss of ``result``'s consensus model at ``tokens`` training tokens, linearly interpolated between its
     evals (None without evals)."""
-    points = sorted((point.tokens, point.eval_loss) for point in result.evals)
-    if not points:
-        return None
-    xs, ys = zip(*points)
-    return float(np.interp(tokens, xs, ys))
+    points = [(point.tokens, point.eval_loss) for point in result.evals]
+    return curve_loss_at(points, tokens) if points else None
 
 
 def command_note(command: list[str]) -> str:
