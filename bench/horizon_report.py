@@ -71,13 +71,14 @@ def token_penalties(doc: dict[str, Any], name: str, reference: str) -> list[floa
     the run's tokens, over f times those tokens (1: as token-efficient as data-parallel there), the median over the
     seeds both ran; None where a seed never reached it (no median of a censored sample)."""
     curves = {row["seed"]: _curve(row) for row in doc["rows"] if row["method"]["name"] == name}
-    base = {row["seed"]: row for row in doc["rows"] if row["method"]["name"] == reference}
+    base = {row["seed"]: (_curve(row), row["tokens"]) for row in doc["rows"] if row["method"]["name"] == reference}
     penalties: list[float | None] = []
     for fraction in PENALTY_AT:
         ratios = []
         for seed in sorted(set(curves) & set(base)):
-            at = fraction * base[seed]["tokens"]
-            needed = first_reach(curves[seed], loss_at(_curve(base[seed]), at))
+            base_curve, base_tokens = base[seed]
+            at = fraction * base_tokens
+            needed = first_reach(curves[seed], loss_at(base_curve, at))
             ratios.append(None if needed is None else needed / at)
         known = [ratio for ratio in ratios if ratio is not None]
         penalties.append(statistics.median(known) if known and len(known) == len(ratios) else None)
