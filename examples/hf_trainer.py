@@ -41,7 +41,7 @@ def main() -> None:
     training = TrainingArguments(
         output_dir=str(args.work_dir / "trainer"), max_steps=args.steps, per_device_train_batch_size=4,
         learning_rate=3e-3, weight_decay=0.1, lr_scheduler_type="constant", max_grad_norm=1.0, use_cpu=True,
-        include_num_input_tokens_seen="all", save_strategy="no", report_to="none", logging_steps=10,
+        include_num_input_tokens_seen=True, save_strategy="no", report_to="none", logging_steps=10,
         disable_tqdm=True, dataloader_num_workers=0,
     )  # fmt: skip
 

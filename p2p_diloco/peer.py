@@ -26,7 +26,7 @@ from p2p_diloco.rounds.plan import KeySchema, RoundPlan
 from p2p_diloco.unit import events
 from p2p_diloco.unit.data import TextData, load_text_data, shard_seed
 from p2p_diloco.unit.forking import dropped_in_forked_children, module_tensors
-from p2p_diloco.unit.inner import InnerTrainer
+from p2p_diloco.unit.inner import EvalBatch, InnerTrainer
 from p2p_diloco.unit.joining import JoinError
 from p2p_diloco.unit.metrics import MetricsLog
 from p2p_diloco.unit.model import LoadedModel, load_model, round_plan
@@ -76,7 +76,7 @@ def unit_in_swarm(
     data: Callable[[str], TextData | None],
     ranks: Ranks | None = None,
     trainer: InnerTrainer | None = None,
-    eval_batches: Sequence[torch.Tensor] = (),
+    eval_batches: Sequence[EvalBatch] = (),
 ) -> Iterator[LearningUnit]:
     """A learning unit of ``loaded`` in the swarm of ``config.network``, joined (its state downloaded, resumed or
     initial), its data ``data(its peer id)`` (None: its caller trains it); on exit its exit rounds, final eval,

@@ -49,6 +49,24 @@ def test_only_the_adapters_train_and_the_base_stays_as_it_was() -> None:
     assert sum(param.numel() for param in trainer.params) < full / 50
 
 
+def test_every_unit_of_a_run_draws_the_same_adapters_and_the_callers_random_state_is_kept() -> None:
+    """Two units start from identical adapters whatever random numbers were drawn before (a unit's own data order,
+    hivemind's start): their first round has nothing to reconcile. The seed draws them."""
+    torch.manual_seed(1)
+    first = _adapted()
+    torch.rand(1000)  # the second unit's process drew other numbers before it built its model
+    before = torch.get_rng_state()
+    second = _adapted()
+    assert torch.equal(torch.get_rng_state(), before)
+    pairs = list(zip(first.model.named_parameters(), second.model.named_parameters(), strict=True))
+    adapters = [(one, other) for (name, one), (_, other) in pairs if ".lora_A." in name]
+    assert adapters and all(torch.equal(one, other) for one, other in adapters)
+    assert any(one.abs().sum() > 0 for one, _ in adapters)  # drawn, not zeros
+    third = _adapted(seed=1)
+    lora_a = [param for name, param in third.model.named_parameters() if ".lora_A." in name]
+    assert not torch.equal(lora_a[0], adapters[0][0])
+
+
 def test_the_fingerprint_covers_the_adapter_configuration() -> None:
     fingerprints = {
         _adapted().fingerprint,

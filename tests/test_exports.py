@@ -11,10 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 from swarms import close_leaving_nothing, quick_swarm
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from p2p_diloco.checkpoint import load_checkpoint
+from p2p_diloco.unit.architecture import ARCHITECTURE_DIR, rebuild_architecture, save_architecture
 from p2p_diloco.unit.events import OuterRound
+from p2p_diloco.unit.model import ModelLoadError, model_fingerprint
 
 pytestmark = pytest.mark.swarm
 
@@ -52,3 +54,21 @@ def test_a_killed_unit_exports_and_resumes_its_data(tmp_path: Path) -> None:
         swarm.wait_for(lambda: len(swarm.events("unit", OuterRound)) > rounds_before + 1, 120, "rounds after it")
     finally:
         close_leaving_nothing(swarm)
+
+
+def test_a_library_units_architecture_rebuilds_its_model_with_the_frozen_parameters(tmp_path: Path) -> None:
+    """What export rebuilds a library unit's model from: the same class, fingerprint and frozen values; trained
+    parameters freshly drawn (the checkpoint's φ replaces them)."""
+    tiny = Path(__file__).parent.parent / "p2p_diloco" / "assets" / "tiny-gpt2"
+    tokenizer = AutoTokenizer.from_pretrained(tiny)
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(tiny))
+    model.transformer.wpe.weight.requires_grad_(False)
+    assert save_architecture(model, tokenizer, tmp_path) == tmp_path / ARCHITECTURE_DIR
+    rebuilt, rebuilt_tokenizer = rebuild_architecture(tmp_path)
+    assert type(rebuilt) is type(model) and len(rebuilt_tokenizer) == len(tokenizer)
+    assert model_fingerprint(rebuilt, len(tokenizer)) == model_fingerprint(model, len(tokenizer))
+    assert torch.equal(rebuilt.transformer.wpe.weight, model.transformer.wpe.weight)
+    assert not torch.equal(rebuilt.transformer.h[0].mlp.c_fc.weight, model.transformer.h[0].mlp.c_fc.weight)
+    assert save_architecture(torch.nn.Linear(2, 2), tokenizer, tmp_path / "other") is None  # not rebuildable: said
+    with pytest.raises(ModelLoadError, match="does not describe a model"):
+        rebuild_architecture(tmp_path / "other")

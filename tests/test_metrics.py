@@ -16,7 +16,13 @@ import pytest
 from pydantic import ValidationError
 
 from p2p_diloco.unit.events import Eval, Event, InnerStep, read_events
-from p2p_diloco.unit.metrics import MetricsLog, ProgressBars, Throughput, configure_logging
+from p2p_diloco.unit.metrics import (
+    MetricsLog,
+    ProgressBars,
+    Throughput,
+    configure_library_logging,
+    configure_logging,
+)
 
 
 def _lines(path: Path) -> list[dict[str, object]]:
@@ -202,11 +208,15 @@ def test_throughput_rejects_bad_smoothing(smoothing: float) -> None:
 def restore_logging() -> Iterator[None]:
     from hivemind.utils.logging import use_hivemind_log_handler
 
-    root = logging.getLogger()
-    handlers, level = list(root.handlers), root.level
+    root, library = logging.getLogger(), logging.getLogger("p2p_diloco")
+    averager = logging.getLogger("hivemind.averaging.averager")
+    saved = [
+        (logger, list(logger.handlers), logger.level, list(logger.filters)) for logger in (root, library, averager)
+    ]
     yield
-    root.handlers[:] = handlers
-    root.setLevel(level)
+    for logger, handlers, level, filters in saved:
+        logger.handlers[:], logger.filters[:] = handlers, filters
+        logger.setLevel(level)
     use_hivemind_log_handler("in_hivemind")
 
 
@@ -251,3 +261,41 @@ def test_log_lines_go_above_the_progress_bars(monkeypatch: pytest.MonkeyPatch) -
 def test_configure_logging_rejects_unknown_level() -> None:
     with pytest.raises(ValueError):
         configure_logging("LOUD")
+
+
+@pytest.mark.usefixtures("restore_logging")
+def test_library_lines_show_under_a_scripts_basic_config_and_lone_rounds_are_quiet() -> None:
+    """A script's ``logging.basicConfig`` leaves the root at WARNING: the library's INFO lines show all the same, once,
+    through the script's own handler, and hivemind's error for a round nobody joined does not."""
+    root = logging.getLogger()
+    root.handlers[:] = []
+    script_console = io.StringIO()
+    logging.basicConfig(format="%(name)s %(message)s", handlers=[logging.StreamHandler(script_console)])
+    configure_library_logging("INFO")
+    configure_library_logging("INFO")
+    logging.getLogger("p2p_diloco.unit.tracking").info("outer round 1 (fragment 1/1): merged")
+    logging.getLogger("p2p_diloco.unit.tracking").debug("hidden")
+    hivemind_console = io.StringIO()
+    averager = logging.getLogger("hivemind.averaging.averager")
+    averager.addHandler(logging.StreamHandler(hivemind_console))  # hivemind's own loggers do not propagate
+    averager.error("Averaging step failed: could not find a group")
+    averager.error("Averaging step failed: a member sent garbage")
+    logging.getLogger("elsewhere").info("the script's root stays at WARNING")
+    assert script_console.getvalue() == "p2p_diloco.unit.tracking outer round 1 (fragment 1/1): merged\n"
+    assert hivemind_console.getvalue() == "Averaging step failed: a member sent garbage\n"
+    configure_library_logging("WARNING")
+    logging.getLogger("p2p_diloco.unit.tracking").info("silenced")
+    assert script_console.getvalue().count("\n") == 1
+
+
+@pytest.mark.usefixtures("restore_logging")
+def test_library_lines_show_with_no_logging_set_up(capsys: pytest.CaptureFixture[str]) -> None:
+    logging.getLogger().handlers[:] = []
+    configure_library_logging("info")
+    configure_library_logging("info")  # one handler, not two
+    logging.getLogger("p2p_diloco.peer").info("joined run=r")
+    assert re.fullmatch(r"\S+ INFO p2p_diloco\.peer: joined run=r\n", capsys.readouterr().err)
+    configure_library_logging(None)  # left alone
+    assert logging.getLogger("p2p_diloco").level == logging.INFO
+    with pytest.raises(ValueError, match="unknown log level 'loud'"):
+        configure_library_logging("loud")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import torch
 import transformers
 
 from p2p_diloco.config import ModelSection
@@ -30,7 +31,8 @@ def adapter_signature(section: ModelSection) -> str:
 
 def with_adapters(model: transformers.PreTrainedModel, section: ModelSection) -> Any:
     """``model`` with LoRA adapters on ``section.lora_target_modules`` (``all-linear``: every linear layer but the
-    output head), only the adapters left trainable. Raises AdapterError without peft, or for target modules the model
+    output head), only the adapters left trainable, drawn from ``section.seed`` (the same on every unit of a run; the
+    caller's random state is left as it was). Raises AdapterError without peft, or for target modules the model
     does not have."""
     try:
         from peft import LoraConfig, get_peft_model
@@ -43,7 +45,9 @@ def with_adapters(model: transformers.PreTrainedModel, section: ModelSection) ->
     config = LoraConfig(r=section.lora_r, lora_alpha=section.lora_alpha, lora_dropout=section.lora_dropout,
                         target_modules=targets, task_type="CAUSAL_LM")  # fmt: skip
     try:
-        adapted = get_peft_model(model, config)
+        with torch.random.fork_rng(devices=range(torch.cuda.device_count())):
+            torch.manual_seed(section.seed)  # every unit of the run draws the same adapters (peft draws LoRA's A)
+            adapted = get_peft_model(model, config)
     except ValueError as error:
         leaves = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
         modules = sorted(leaf for leaf in leaves if leaf and not leaf.isdigit())  # not a ModuleList's indices

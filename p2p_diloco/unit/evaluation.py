@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from p2p_diloco.unit import events
-from p2p_diloco.unit.inner import InnerTrainer
+from p2p_diloco.unit.inner import EvalBatch, InnerTrainer
 from p2p_diloco.unit.ranks import Ranks
 
 BATCHES_PER_STEP = 1
@@ -36,7 +36,7 @@ class Evaluator:
     """Evaluates φ on the unit's held-out ``batches`` with ``trainer``'s model (θ is unchanged after every call) and
     writes each eval's event to ``metrics``. Without batches it evaluates and writes nothing."""
 
-    def __init__(self, batches: Sequence[torch.Tensor], trainer: InnerTrainer, ranks: Ranks, metrics: events.EventSink):
+    def __init__(self, batches: Sequence[EvalBatch], trainer: InnerTrainer, ranks: Ranks, metrics: events.EventSink):
         self.batches, self.trainer, self.ranks, self.metrics = list(batches), trainer, ranks, metrics
         self.running: _Running | None = None
         self.last_loss: float | None = None  # of the last eval that ended

@@ -7,13 +7,17 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypeAlias
 
 import torch
 
 from p2p_diloco.config import InnerSection
 from p2p_diloco.diloco import all_finite
+
+# A held-out batch: the input ids (the labels too), or a mapping of the model's inputs (labels defaulting to input_ids).
+EvalBatch: TypeAlias = torch.Tensor | Mapping[str, torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -152,22 +156,25 @@ class InnerTrainer:
             self.scheduler.step()
         return StepStats(total_loss, tokens, time.perf_counter() - started, sync_seconds, lr)
 
-    def evaluate(self, batches: Sequence[torch.Tensor]) -> float:
+    def evaluate(self, batches: Sequence[EvalBatch]) -> float:
         """Mean loss over held-out batches with the current parameters."""
         losses = self.batch_losses(batches)
         return sum(losses) / len(losses)
 
     @torch.no_grad()
-    def batch_losses(self, batches: Sequence[torch.Tensor]) -> list[float]:
+    def batch_losses(self, batches: Sequence[EvalBatch]) -> list[float]:
         """The loss of each of ``batches`` with the current parameters (the model in eval mode meanwhile)."""
         self.model.eval()
         with self._autocast():
-            losses = [
-                float(self.model(input_ids=batch.to(self.device), labels=batch.to(self.device)).loss)
-                for batch in batches
-            ]
+            losses = [float(self.model(**self._inputs(batch)).loss) for batch in batches]
         self.model.train()
         return losses
+
+    def _inputs(self, batch: EvalBatch) -> dict[str, torch.Tensor]:
+        """The model's keyword inputs for a held-out ``batch``, on the unit's device."""
+        inputs = {"input_ids": batch} if isinstance(batch, torch.Tensor) else dict(batch)
+        inputs.setdefault("labels", inputs["input_ids"])
+        return {name: value.to(self.device) for name, value in inputs.items() if isinstance(value, torch.Tensor)}
 
     def _gradient_sync(self, last_micro_batch: bool) -> contextlib.AbstractContextManager:
         """The replica averages gradients in the backward of a step's last micro-batch only."""

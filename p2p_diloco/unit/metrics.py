@@ -169,27 +169,54 @@ def configure_logging(level: str = "INFO") -> None:
     ``hivemind`` loggers are held at WARNING unless ``level`` is DEBUG. Calling again replaces the
     handler installed by the previous call. Raises ValueError for an unknown level name.
     """
-    numeric_level = logging.getLevelNamesMapping().get(level.upper())
-    if numeric_level is None:
-        raise ValueError(f"unknown log level {level!r}")
+    numeric_level = _numeric(level)
     from hivemind.utils.logging import use_hivemind_log_handler  # importing hivemind installs its handler
     from transformers.utils import logging as transformers_logging
 
     use_hivemind_log_handler("nowhere")
     root = logging.getLogger()
-    for handler in [handler for handler in root.handlers if handler.get_name() == _HANDLER_NAME]:
-        root.removeHandler(handler)
-    handler = _AboveBars(sys.stderr)
-    handler.set_name(_HANDLER_NAME)
-    handler.setFormatter(logging.Formatter(_LOG_FORMAT, datefmt=_LOG_DATE_FORMAT))
-    handler.setLevel(numeric_level)
-    root.addHandler(handler)
+    _replace_handler(root, numeric_level)
     root.setLevel(numeric_level)
     hivemind_level = logging.NOTSET if numeric_level <= logging.DEBUG else max(numeric_level, logging.WARNING)
     logging.getLogger("hivemind").setLevel(hivemind_level)
     logging.getLogger("hivemind.averaging.averager").addFilter(_drop_expected_solo_rounds)
     transformers_logging.set_verbosity_error()
     transformers_logging.disable_progress_bar()  # its save/load bars would cut through the log
+
+
+def configure_library_logging(level: str | None = "INFO") -> None:
+    """The console of a unit run through the library (api.py): the ``p2p_diloco`` loggers at ``level``, so that the
+    CLI's INFO lines (join, each round, evals, leave) show under a script's own logging set-up, whose root logger
+    usually stays at WARNING (``logging.basicConfig``); a handler of this module's format is added to ``p2p_diloco``
+    only when no handler would write its lines. hivemind's errors for a round nobody else joined are dropped, as the
+    CLI drops them. ``level`` "WARNING" silences the lines; None leaves logging as the caller set it. Raises
+    ValueError for an unknown level name."""
+    if level is None:
+        return
+    numeric_level = _numeric(level)
+    library = logging.getLogger("p2p_diloco")
+    library.setLevel(numeric_level)
+    if not library.hasHandlers() or any(handler.get_name() == _HANDLER_NAME for handler in library.handlers):
+        _replace_handler(library, logging.NOTSET)
+    logging.getLogger("hivemind.averaging.averager").addFilter(_drop_expected_solo_rounds)
+
+
+def _numeric(level: str) -> int:
+    numeric_level = logging.getLevelNamesMapping().get(level.upper())
+    if numeric_level is None:
+        raise ValueError(f"unknown log level {level!r}")
+    return numeric_level
+
+
+def _replace_handler(logger: logging.Logger, level: int) -> None:
+    """``logger``'s handler of this module (the one a previous call added, if any) replaced by a new one."""
+    for handler in [handler for handler in logger.handlers if handler.get_name() == _HANDLER_NAME]:
+        logger.removeHandler(handler)
+    handler = _AboveBars(sys.stderr)
+    handler.set_name(_HANDLER_NAME)
+    handler.setFormatter(logging.Formatter(_LOG_FORMAT, datefmt=_LOG_DATE_FORMAT))
+    handler.setLevel(level)
+    logger.addHandler(handler)
 
 
 def _drop_expected_solo_rounds(record: logging.LogRecord) -> bool:

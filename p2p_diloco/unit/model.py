@@ -16,13 +16,14 @@ here) and does not exist fails at once; other names go to the hub, which fails a
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import logging
 import re
 import shutil
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -173,17 +174,26 @@ def export_pretrained(
     alone (adapters.py). ``state_dict``, the weights by name, replaces the model's own (a model sharded over ranks).
     """
     save_dir = Path(save_dir)
-    save_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{save_dir.name}.tmp-", dir=save_dir.parent))
-    try:
+    with staged_dir(save_dir) as staging:
         _serializable(saveable(model, adapter_only), state_dict).save_pretrained(staging, state_dict=state_dict)
         tokenizer.save_pretrained(staging)
-        _replace_dir(staging, save_dir)
+    logger.info("model exported: save_dir=%s", save_dir)
+    return save_dir
+
+
+@contextlib.contextmanager
+def staged_dir(target: Path) -> Iterator[Path]:
+    """A temporary sibling folder of ``target`` to write into, which replaces ``target`` once the block completes:
+    if the block raises (or the process dies) the previous ``target`` (if any) is left untouched, no partial folder
+    remains (but a hidden temporary one after a kill), and the error propagates."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        yield staging
+        _replace_dir(staging, target)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    logger.info("model exported: save_dir=%s", save_dir)
-    return save_dir
 
 
 def _pretrained_model(

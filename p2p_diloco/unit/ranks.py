@@ -48,7 +48,7 @@ from p2p_diloco.diloco import consensus_probe, consensus_probe_indices
 from p2p_diloco.errors import UserError
 from p2p_diloco.lifecycle import launched
 from p2p_diloco.unit import sharding
-from p2p_diloco.unit.inner import InnerTrainer
+from p2p_diloco.unit.inner import EvalBatch, InnerTrainer
 
 logger = logging.getLogger(__name__)
 
@@ -160,7 +160,7 @@ class Ranks:
         if self.world_size > 1:
             self._command(Command.RESET_MOMENTS)
 
-    def evaluate(self, trainer: InnerTrainer, replacement: Sequence[torch.Tensor], batches: Sequence[torch.Tensor]
+    def evaluate(self, trainer: InnerTrainer, replacement: Sequence[torch.Tensor], batches: Sequence[EvalBatch]
                  ) -> float:  # fmt: skip
         """The mean loss of θ = ``replacement`` (φ) on ``batches``: rank 0 alone, or all ranks of a sharded unit,
         each on its share of the batches; θ is unchanged after."""
@@ -284,7 +284,7 @@ class Ranks:
             for index in indices:
                 dist.broadcast(params[index].data, src=0)
 
-    def _evaluate_shards(self, trainer: InnerTrainer, batches: Sequence[torch.Tensor],
+    def _evaluate_shards(self, trainer: InnerTrainer, batches: Sequence[EvalBatch],
                          replacement: Sequence[torch.Tensor] | None) -> float:  # fmt: skip
         """Sharded: the mean loss of rank 0's ``replacement`` θ over ``batches``, each rank taking every N-th batch
         (padded to the same number of forwards); every rank's shards of θ are put back after."""

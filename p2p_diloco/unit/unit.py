@@ -47,7 +47,7 @@ from p2p_diloco.unit.data import DataPosition, TextData, TrainingStream
 from p2p_diloco.unit.evaluation import Evaluator
 from p2p_diloco.unit.forking import optimizer_tensors
 from p2p_diloco.unit.goodput import LEDGER_FILE, GoodputLedger
-from p2p_diloco.unit.inner import InnerTrainer, StepStats, copy_into, host_copies
+from p2p_diloco.unit.inner import EvalBatch, InnerTrainer, StepStats, copy_into, host_copies
 from p2p_diloco.unit.joining import data_position, download_state, own_checkpoint, swarm_round
 from p2p_diloco.unit.metrics import ProgressBars, Throughput
 from p2p_diloco.unit.model import LoadedModel, export_pretrained
@@ -95,7 +95,7 @@ class LearningUnit:
         metrics: events.EventSink,
         ranks: Ranks | None = None,
         trainer: InnerTrainer | None = None,
-        eval_batches: Sequence[torch.Tensor] = (),
+        eval_batches: Sequence[EvalBatch] = (),
     ):
         self.config, self.loaded, self.data, self.network, self.metrics = config, loaded, data, network, metrics
         self.ranks = ranks or Ranks()  # rank 0 of them, or the unit's only process
