@@ -25,7 +25,7 @@ from typing import IO, Any
 
 import torch
 
-from p2p_diloco.errors import UserError, first_line
+from p2p_diloco.errors import UserError
 
 CHECKPOINT_FORMAT = 1
 
@@ -99,7 +99,11 @@ def load_checkpoint(path: Path) -> dict[str, Any] | None:
     except FileNotFoundError:
         return None
     except Exception as error:  # torch raises RuntimeError, UnpicklingError, EOFError, ... for bad files
-        raise CheckpointError(f"checkpoint {path} is unreadable: {type(error).__name__}: {first_line(error)}") from None
+        # torch's own message advises weights_only=False, which would run code from the file: never repeated here
+        raise CheckpointError(
+            f"checkpoint {path} is corrupt or truncated ({type(error).__name__}): move it out of the work dir, and the "
+            "unit starts from the swarm's state (or its initial weights when it is alone)"
+        ) from None
     if not isinstance(stored, dict) or not isinstance(stored.get("payload"), dict):
         raise CheckpointError(f"checkpoint {path} is not a p2p_diloco checkpoint")
     if stored.get("format") != CHECKPOINT_FORMAT:

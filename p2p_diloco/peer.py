@@ -17,14 +17,14 @@ import torch
 from p2p_diloco.config import Codec, PeerConfig, SwarmSections
 from p2p_diloco.network.averaging import OuterAverager
 from p2p_diloco.network.compression import hivemind_compression
-from p2p_diloco.network.dht import peer_identity, start_dht, stop_dht, visible_multiaddrs
+from p2p_diloco.network.dht import check_addresses, peer_identity, start_dht, stop_dht, visible_multiaddrs
 from p2p_diloco.network.membership import MemberGate, MembershipError, load_run_access
 from p2p_diloco.network.reachability import reachability_of, serve_dial_back_checks
 from p2p_diloco.network.records import SwarmRecords, members_key, record_validators, run_record_keys
 from p2p_diloco.network.state_sync import StateServer
 from p2p_diloco.rounds.plan import KeySchema, RoundPlan
 from p2p_diloco.unit import events
-from p2p_diloco.unit.data import TextData, load_text_data, shard_seed
+from p2p_diloco.unit.data import TextData, check_sources, load_text_data, shard_seed
 from p2p_diloco.unit.forking import dropped_in_forked_children, module_tensors
 from p2p_diloco.unit.inner import EvalBatch, InnerTrainer
 from p2p_diloco.unit.joining import JoinError
@@ -45,6 +45,8 @@ def run_peer(config: PeerConfig, stop: threading.Event) -> None:
     Raises ModelLoadError, DatasetLoadError, NetworkError, JoinError, CheckpointError or ConfigError (one-line messages)
     for input the unit cannot work with; every process it started is stopped before it returns or raises.
     """
+    check_addresses(config.network)  # what can be refused before the model is built and the DHT starts
+    check_sources(config.data)
     if config.run.threads is not None:
         torch.set_num_threads(config.run.threads)
     ranks = join_ranks(config.model.device, sharded=config.run.shard_model)

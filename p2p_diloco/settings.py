@@ -51,8 +51,8 @@ def add_config_arguments(parser: argparse.ArgumentParser, sections: tuple[str, .
     grouped by section. ``brief``: ``--help`` shows only :data:`VOLUNTEER_SETTINGS` and ``--help-all`` every flag."""
     parser.add_argument("--config", type=Path, help="TOML file with [model], [data], [inner], [outer], ... sections")
     if "model" in sections:
-        parser.add_argument("--preset", choices=sorted(PRESETS), help="start from a shipped preset (--config and "
-                            "flags override it)")  # fmt: skip
+        parser.add_argument("--preset", metavar="NAME", help=f"start from a shipped preset: {', '.join(sorted(PRESETS))} "
+                            "(--config and flags override it)")  # fmt: skip
     if brief:
         parser.add_argument("--help-all", action=_HelpAll, nargs=0, help="show every setting's flag and exit")
     for section_name in sections:
@@ -112,6 +112,8 @@ def load_config(
     cli = vars(args) if args is not None else {}
     preset = preset or cli.get("preset")
     toml_path = toml_path or cli.get("config")
+    if preset is not None and preset not in PRESETS:
+        raise ConfigError(f"unknown preset {preset!r} (presets: {', '.join(sorted(PRESETS))})")
     layers = [_section_layer(PRESETS[preset], f"preset {preset}")] if preset is not None else []
     if toml_path is not None:
         layers.append(_section_layer(_read_toml(Path(toml_path)), f"config file {toml_path}"))

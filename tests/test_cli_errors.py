@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -107,6 +108,42 @@ def flags(work_dirs: dict[str, Path], **overrides: str | None) -> list[str]:
 def test_bad_input_is_refused_cleanly(work_dirs: dict[str, Path], overrides: dict, fragments: list[str]) -> None:
     assert_user_error(join(*flags(work_dirs, **overrides)), *fragments)
     assert_untouched(work_dirs)
+
+
+@pytest.mark.parametrize(
+    "overrides, fragments",
+    [
+        ({"--dataset": "no-such-org/no-such-dataset"}, ["no-such-org/no-such-dataset", "hub"]),
+        ({"--dataset": "/nonexistent/corpus.txt"}, ["/nonexistent/corpus.txt"]),
+        ({"--initial-peers": "/ip4/127.0.0.1/tcp/notaport"}, ["--initial-peers"]),
+    ],
+    ids=["dataset-hub-name", "dataset-path", "multiaddr"],
+)
+def test_data_and_addresses_are_checked_before_anything_starts(
+    tmp_path: Path, overrides: dict, fragments: list[str]
+) -> None:
+    """Refused before the model is built, the DHT starts or the work dir is created."""
+    fresh = {"work": tmp_path / "new-work", "save": tmp_path / "new-save"}
+    result = join(*flags(fresh, **overrides), "--log-level", "INFO")
+    assert_user_error(result, *fragments)
+    assert "model ready" not in result.stderr and "dht started" not in result.stderr, result.stderr
+    assert not fresh["work"].exists() and not fresh["save"].exists()
+
+
+def test_a_host_port_in_use_is_named(work_dirs: dict[str, Path]) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = join(*flags(work_dirs, **{"--host-maddrs": f"/ip4/127.0.0.1/tcp/{port}"}))
+    assert_user_error(result, f"port {port} is already in use")
+    assert "Loop is closed" not in result.stderr
+    assert_untouched(work_dirs)
+
+
+def test_an_unknown_preset_is_one_line() -> None:
+    result = join("--preset", "tny")
+    assert result.stderr == "error: unknown preset 'tny' (presets: tiny)\n" and result.returncode == 2
 
 
 def test_unreachable_bootstrap_fails_within_the_join_timeout(work_dirs: dict[str, Path]) -> None:

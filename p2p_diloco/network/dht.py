@@ -6,9 +6,11 @@ user) within about ``network.join_timeout_s`` seconds, leaving no DHT process or
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import shutil
+import socket
 import tempfile
 import time
 from collections.abc import Iterable, Sequence
@@ -63,6 +65,39 @@ def validate_multiaddrs(addrs: Sequence[str], what: str, *, require_peer_id: boo
             raise NetworkError(f"malformed multiaddr '{addr}' in {what}: missing the /p2p/<peer id> component")
         valid.append(str(maddr))
     return valid
+
+
+def check_addresses(network: NetworkSection) -> tuple[list[str], list[str], list[str]]:
+    """The initial peers, host and announced multiaddrs of ``network``, parsed; NetworkError for a malformed one, an
+    announced port 0, or a host TCP port another program already listens on (checked by binding it for an instant,
+    so that the daemon's own failure to listen is not reported as unreachable peers)."""
+    initial_peers = validate_multiaddrs(network.initial_peers, "--initial-peers", require_peer_id=True)
+    host_maddrs = validate_multiaddrs(network.host_maddrs, "--host-maddrs")
+    announce_maddrs = validate_multiaddrs(network.announce_maddrs, "--announce-maddrs")
+    for addr in announce_maddrs:
+        maddr = Multiaddr(addr)
+        if any(proto in maddr and maddr[proto] == "0" for proto in ("tcp", "udp")):
+            raise NetworkError(f"announce multiaddr '{addr}' in --announce-maddrs needs an explicit port, not 0")
+    for addr in host_maddrs:
+        _check_port_free(Multiaddr(addr), addr)
+    return initial_peers, host_maddrs, announce_maddrs
+
+
+def _check_port_free(maddr: Multiaddr, addr: str) -> None:
+    """NetworkError when ``maddr`` (an ip4 or ip6 TCP address with a port other than 0) cannot be listened on."""
+    family = socket.AF_INET if "ip4" in maddr else socket.AF_INET6 if "ip6" in maddr else None
+    if family is None or "tcp" not in maddr or maddr["tcp"] == "0":
+        return
+    host, port = maddr["ip4" if family == socket.AF_INET else "ip6"], int(maddr["tcp"])
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the daemon listens: TIME_WAIT is no obstacle
+        try:
+            probe.bind((host, port))
+        except OSError as error:
+            if error.errno == errno.EADDRINUSE:
+                raise NetworkError(f"--host-maddrs {addr}: port {port} is already in use (a unit or another program "
+                                   "listens there): give another port, or 0 for any free one") from None  # fmt: skip
+            raise NetworkError(f"--host-maddrs {addr}: cannot listen there: {error.strerror}") from None
 
 
 def identity_peer_id(path: Path) -> str:
@@ -139,13 +174,7 @@ def start_dht(
     process and its p2pd are killed before raising).
     """
     ensure_fork_start_method()
-    initial_peers = validate_multiaddrs(network.initial_peers, "--initial-peers", require_peer_id=True)
-    host_maddrs = validate_multiaddrs(network.host_maddrs, "--host-maddrs")
-    announce_maddrs = validate_multiaddrs(network.announce_maddrs, "--announce-maddrs")
-    for addr in announce_maddrs:
-        maddr = Multiaddr(addr)
-        if any(proto in maddr and maddr[proto] == "0" for proto in ("tcp", "udp")):
-            raise NetworkError(f"announce multiaddr '{addr}' in --announce-maddrs needs an explicit port, not 0")
+    initial_peers, host_maddrs, announce_maddrs = check_addresses(network)
     if identity is None and network.identity_path:
         identity = peer_identity(network.identity_path)
     identity_path = str(identity.path) if identity is not None else None

@@ -192,6 +192,15 @@ def load_text_data(section: DataSection, tokenizer: transformers.PreTrainedToken
     )
 
 
+def check_sources(section: DataSection) -> None:
+    """Open the training source and the eval source, reading no document, so that a missing path, an unsupported or
+    mixed file type or a hub dataset that cannot be resolved is reported before a unit starts anything. Raises
+    DatasetLoadError."""
+    _open(section.dataset, section.dataset_config, "train")
+    if section.eval_dataset is not None:
+        _open(section.eval_dataset, section.dataset_config, section.eval_split)
+
+
 def _evaluation(
     documents: datasets.IterableDataset, section: DataSection, tokenizer: transformers.PreTrainedTokenizerBase
 ) -> tuple[list[torch.Tensor], frozenset[bytes]]:
