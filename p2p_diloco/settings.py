@@ -51,8 +51,9 @@ def add_config_arguments(parser: argparse.ArgumentParser, sections: tuple[str, .
     grouped by section. ``brief``: ``--help`` shows only :data:`VOLUNTEER_SETTINGS` and ``--help-all`` every flag."""
     parser.add_argument("--config", type=Path, help="TOML file with [model], [data], [inner], [outer], ... sections")
     if "model" in sections:
-        parser.add_argument("--preset", metavar="NAME", help=f"start from a shipped preset: {', '.join(sorted(PRESETS))} "
-                            "(--config and flags override it)")  # fmt: skip
+        presets = ", ".join(sorted(PRESETS))
+        helped = f"start from a shipped preset: {presets} (--config and flags override it)"
+        parser.add_argument("--preset", metavar="NAME", help=helped)
     if brief:
         parser.add_argument("--help-all", action=_HelpAll, nargs=0, help="show every setting's flag and exit")
     for section_name in sections:
