@@ -109,10 +109,10 @@ def unit_in_swarm(
         logger.info("other peers can join through: %s", multiaddrs)
         records = SwarmRecords(dht, access, validators)
         records.publish_membership(wait=True)
-        swarm_fingerprint = records.claim_model_fingerprint(loaded.fingerprint)
-        if swarm_fingerprint != loaded.fingerprint:
+        claim = records.claim_model_fingerprint(loaded.fingerprint)
+        if claim.fingerprint != loaded.fingerprint:
             raise JoinError(
-                f"model fingerprint {loaded.fingerprint} differs from run '{run_id}' fingerprint {swarm_fingerprint}: "
+                f"model fingerprint {loaded.fingerprint} differs from run '{run_id}' fingerprint {claim.fingerprint}: "
                 "this model cannot average with the swarm's"
             )
         peer_id = str(dht.peer_id)
@@ -132,7 +132,7 @@ def unit_in_swarm(
         metrics = owned.enter_context(_unit_report(config, plan, peer_id))
         unit = LearningUnit(config, plan, loaded, data(peer_id), network, metrics, ranks, trainer, eval_batches)
         owned.enter_context(dropped_in_forked_children(unit.host_tensors))  # the settle averager's fork at exit
-        source = unit.join()
+        source = unit.join(swarm_seen=claim.earlier)
         _describe_run(config, metrics, peer_id, keys)
         metrics.write(events.Join(peer_id=peer_id, source=source, outer_round=unit.outer_round, ranks=ranks.world_size,
                                   trained_parameters=sum(param.numel() for param in theta),

@@ -17,7 +17,7 @@ from p2p_diloco.config import NetworkSection
 from p2p_diloco.network import records
 from p2p_diloco.network.dht import stop_dht, visible_multiaddrs
 from p2p_diloco.network.membership import RunAccess
-from p2p_diloco.network.records import PeerProgress, PendingProgress, SwarmRecords, in_phase
+from p2p_diloco.network.records import ModelClaim, PeerProgress, PendingProgress, SwarmRecords, in_phase
 from p2p_diloco.ops.status import format_table, run_status
 
 pytestmark = pytest.mark.swarm
@@ -133,10 +133,10 @@ def test_expired_records_disappear(swarm):
 
 def test_first_fingerprint_claim_wins(swarm):
     a, b = swarm
-    assert a.claim_model_fingerprint("fp-first", ttl_s=30) == "fp-first"
-    assert b.claim_model_fingerprint("fp-second", ttl_s=30) == "fp-first"
+    assert a.claim_model_fingerprint("fp-first", ttl_s=30) == ModelClaim("fp-first", earlier=False)
+    assert b.claim_model_fingerprint("fp-second", ttl_s=30) == ModelClaim("fp-first", earlier=True)
     b.refresh_model_fingerprint("fp-first", ttl_s=60)
-    assert a.claim_model_fingerprint("fp-third") == "fp-first"
+    assert a.claim_model_fingerprint("fp-third") == ModelClaim("fp-first", earlier=True)
 
 
 def test_publish_on_a_dead_dht_only_warns(swarm, caplog):

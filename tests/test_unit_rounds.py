@@ -39,6 +39,7 @@ from p2p_diloco.network.records import PeerProgress
 from p2p_diloco.network.state_sync import SwarmState
 from p2p_diloco.rounds.averager import GroupRequest
 from p2p_diloco.rounds.departure import TOGETHER_BITS, Phase, settle_patience
+from p2p_diloco.unit import joining
 from p2p_diloco.unit.events import (
     ConsensusRound,
     Eval,
@@ -403,6 +404,45 @@ def test_join_alone_starts_from_the_initial_weights(make_peer: PeerFactory) -> N
     assert a.state_server.downloads == 0
     assert_all_equal(a.unit.state.global_params, initial)
     assert a.unit.outer_round == 0 and a.state_server.published[-1].outer_round == 0
+
+
+class UnreadableAtFirst(FakeRecords):
+    """Progress records the first ``unreadable`` reads miss (a DHT get that failed, units too busy to answer)."""
+
+    def __init__(self, records: dict[str, PeerProgress], unreadable: int):
+        super().__init__(records)
+        self.unreadable, self.reads = unreadable, 0
+
+    def read_progress(self) -> dict[str, PeerProgress]:
+        self.reads += 1
+        return {} if self.reads <= self.unreadable else super().read_progress()
+
+
+@pytest.mark.parametrize("swarm_seen, source", [(True, "swarm"), (False, "initial weights")])
+def test_a_joiner_that_knows_a_unit_came_first_rereads_records_it_could_not_read(
+    make_peer: PeerFactory, monkeypatch: pytest.MonkeyPatch, swarm_seen: bool, source: str
+) -> None:
+    """The third SmolLM2 unit of issue 36 trained from the initial weights while the swarm was at round 2: a joiner
+    whose run's model record was published by another unit reads the records again before it believes round 0."""
+    monkeypatch.setattr(joining, "SEEN_RETRY_S", 0.01)
+    first = make_peer("first", FakeGroup())
+    served = SwarmState(clone_all(first.unit.state.global_params), [], [2], 20, 0)
+    records = UnreadableAtFirst({"first": progress("first", 2, first.unit.loaded.fingerprint)}, unreadable=3)
+    joiner = make_peer("joiner", FakeGroup(), records=records, served=served, outer__outer_momentum=0.0)
+    monkeypatch.setattr(joiner.state_server, "declared_rounds", dict)  # the donor records unreadable too
+    assert joiner.unit.join(swarm_seen=swarm_seen) == source
+    assert records.reads == (4 if swarm_seen else 1)
+
+
+def test_a_joiner_says_why_it_starts_from_the_initial_weights_after_another_unit(
+    make_peer: PeerFactory, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(joining, "SEEN_RETRY_S", 0.01)
+    monkeypatch.setattr(joining, "SEEN_WAIT_S", 0.05)
+    joiner = make_peer("joiner", FakeGroup())
+    with caplog.at_level(logging.WARNING, logger="p2p_diloco"):
+        assert joiner.unit.join(swarm_seen=True) == "initial weights"
+    assert "another unit joined this run before" in caplog.text
 
 
 def test_join_resumes_a_checkpoint_newer_than_the_swarm(make_peer: PeerFactory) -> None:

@@ -15,6 +15,7 @@ import math
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import hivemind
@@ -241,6 +242,15 @@ def latest_progress(found: hivemind.utils.ValueWithExpiration | None) -> dict[st
     return latest
 
 
+@dataclass(frozen=True)
+class ModelClaim:
+    """The fingerprint of the model a run trains, and whether another unit had claimed it before this one (a sign of
+    a swarm that may be ahead, whatever its other records say)."""
+
+    fingerprint: str
+    earlier: bool
+
+
 class SwarmRecords:
     """Reads and writes the records of the run ``access.run_id`` through ``dht``, as ``access`` allows.
 
@@ -298,21 +308,22 @@ class SwarmRecords:
             found.set_exception(error)
         return PendingProgress(found, self.progress_key)
 
-    def claim_model_fingerprint(self, fingerprint: str, ttl_s: float = 3600) -> str:
-        """Return the swarm's model fingerprint: the one already published if any, else ``fingerprint`` (stored).
+    def claim_model_fingerprint(self, fingerprint: str, ttl_s: float = 3600) -> ModelClaim:
+        """The swarm's model fingerprint: the one already published if any (``earlier``: a unit joined the run before
+        this one), else ``fingerprint`` (stored).
 
         Concurrent first claims are settled by the DHT (the record with the later expiration wins); the value read
         back is returned, so both claimants agree. If the DHT is unreachable, returns ``fingerprint`` with a warning.
         """
         found = self._get(self.model_key)
         if found is not None and isinstance(found.value, str):
-            return found.value
+            return ModelClaim(found.value, earlier=True)
         self.refresh_model_fingerprint(fingerprint, ttl_s, wait=True)
         found = self._get(self.model_key)
         if found is None or not isinstance(found.value, str):
             logger.warning("fingerprint not readable after store key=%s, assuming ours", self.model_key)
-            return fingerprint
-        return found.value
+            return ModelClaim(fingerprint, earlier=False)
+        return ModelClaim(found.value, earlier=False)
 
     def refresh_model_fingerprint(self, fingerprint: str, ttl_s: float = 3600, wait: bool = False) -> None:
         """Re-publish the swarm's fingerprint so it outlives its first claimant; call it periodically (< ttl_s).

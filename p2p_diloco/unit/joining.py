@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,11 @@ from p2p_diloco.unit import events
 from p2p_diloco.unit.data import DataPosition, TextData
 
 logger = logging.getLogger(__name__)
+
+SEEN_WAIT_S = 30.0
+"""How long a joiner that knows a unit joined before it rereads records it cannot read (progress records are
+published every 10 s and live 30 s; donor records are declared every round)."""
+SEEN_RETRY_S = 2.0
 
 
 class JoinError(UserError):
@@ -48,6 +54,28 @@ def swarm_round(records: dict[str, PeerProgress], declared: dict[str, int], peer
         peer: max(record.outer_round, declared.get(peer, -1)) for peer, record in records.items() if peer != peer_id
     }
     return max(believed_rounds(claims).values(), default=-1)
+
+
+def swarm_round_seen(claimed_round: Callable[[], int], swarm_seen: bool, timeout_s: float) -> int:
+    """The round the swarm claims (``claimed_round()``, -1: none). When nothing is readable but ``swarm_seen`` (a
+    unit joined the run before this one), the records are read again every ``SEEN_RETRY_S`` for up to
+    ``min(timeout_s, SEEN_WAIT_S)`` (a get that failed, units too busy to answer in time); if they stay unreadable,
+    a warning says why the unit starts from the initial weights."""
+    claimed = claimed_round()
+    if claimed >= 0 or not swarm_seen:
+        return claimed
+    wait_s = min(timeout_s, SEEN_WAIT_S)
+    logger.info("run's model record was published by another unit, but none of its progress or donor records is "
+                "readable: reading them again for up to %.0f s", wait_s)  # fmt: skip
+    deadline = time.monotonic() + wait_s
+    while claimed < 0 and time.monotonic() < deadline:
+        time.sleep(SEEN_RETRY_S)
+        claimed = claimed_round()
+    if claimed < 0:
+        logger.warning("starting from the initial weights although another unit joined this run before (its model "
+                       "record): no progress or donor record of a live unit was readable within %.0f s; if the swarm "
+                       "is past round 0, its rounds will pull this unit in", wait_s)  # fmt: skip
+    return claimed
 
 
 def data_position(checkpoint: dict[str, Any] | None, data: TextData | None) -> DataPosition:

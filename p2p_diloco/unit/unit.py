@@ -48,7 +48,7 @@ from p2p_diloco.unit.evaluation import Evaluator
 from p2p_diloco.unit.forking import optimizer_tensors
 from p2p_diloco.unit.goodput import LEDGER_FILE, GoodputLedger
 from p2p_diloco.unit.inner import EvalBatch, InnerTrainer, StepStats, copy_into, host_copies
-from p2p_diloco.unit.joining import data_position, download_state, own_checkpoint, swarm_round
+from p2p_diloco.unit.joining import data_position, download_state, own_checkpoint, swarm_round, swarm_round_seen
 from p2p_diloco.unit.metrics import ProgressBars, Throughput
 from p2p_diloco.unit.model import LoadedModel, export_pretrained
 from p2p_diloco.unit.ranks import Ranks, ThetaLink, UnitStart, theta_probe
@@ -144,13 +144,15 @@ class LearningUnit:
         yield from self.engine.host_tensors()
 
     # ----------------------------------------------------------------------------------------------- join
-    def join(self) -> events.JoinSource:
-        """Take the state to train from by the join rule (joining.py); returns its source. Raises JoinError."""
+    def join(self, swarm_seen: bool = False) -> events.JoinSource:
+        """Take the state to train from by the join rule (joining.py); returns its source. ``swarm_seen``: another
+        unit joined the run before this one (its model record), so no readable progress or donor record is not taken
+        for a swarm at round 0 at once (joining.py ``swarm_round_seen``). Raises JoinError."""
         checkpoint = own_checkpoint(self.checkpoint_path, self.loaded.fingerprint)
         local_round = int(checkpoint["outer_round"]) if checkpoint is not None else -1
         self.data_position = data_position(checkpoint, self.data)
-        progress, declared = self.network.records.read_progress(), self.network.state_server.declared_rounds()
-        claimed = swarm_round(progress, declared, self.network.peer_id)
+        seen = swarm_seen and checkpoint is None  # a unit with a checkpoint may have claimed the run itself
+        claimed = swarm_round_seen(self._claimed_round, seen, self.config.network.join_timeout_s)
         source: events.JoinSource = "initial weights"
         if claimed > max(local_round, 0):
             network = self.config.network
@@ -170,6 +172,11 @@ class LearningUnit:
                                                        self.trainer.state_dict()))  # fmt: skip
         self._write_replica_probe()
         return source
+
+    def _claimed_round(self) -> int:
+        """The latest round the other units claim in the records readable now (-1: none)."""
+        progress, declared = self.network.records.read_progress(), self.network.state_server.declared_rounds()
+        return swarm_round(progress, declared, self.network.peer_id)
 
     # ----------------------------------------------------------------------------------------- training
     def run(self, stop: threading.Event) -> None:
