@@ -34,6 +34,7 @@ class ModelSection(_Section):
         None,
         description="pre-train from this config (hub name, directory or config.json) instead of weights",
         validation_alias=AliasChoices("model_config", "model_config_path"),
+        serialization_alias="model_config",  # the flag's name, in --print-config's TOML
         json_schema_extra={"flag": "--model-config"},
     )
     tokenizer: str | None = Field(None, description="tokenizer hub name or directory; None: the model's")

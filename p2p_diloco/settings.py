@@ -182,9 +182,9 @@ def load_network_section(args: argparse.Namespace) -> NetworkSection:
 
 
 def config_toml(config: PeerConfig) -> str:
-    """``config`` as a TOML file that ``--config`` reads back into the same config (unset optional fields are left
-    out)."""
+    """``config`` as a TOML file that ``--config`` reads back into the same config, its keys the flags' names (unset
+    optional fields are left out)."""
     import tomli_w
 
-    sections = config.model_dump(mode="json", exclude_none=True)
+    sections = config.model_dump(mode="json", exclude_none=True, by_alias=True)
     return tomli_w.dumps({name: sections[name] for name in SECTIONS})

@@ -52,6 +52,7 @@ def test_print_config_reads_back_into_the_same_config(tmp_path: Path, capsys: py
     assert main(["join", *flags, "--print-config"]) == 0
     printed = capsys.readouterr().out
     assert printed.startswith("[model]\n") and "inner_steps = 7" in printed
+    assert "\nmodel_config = " in printed and "model_config_path" not in printed  # the keys are the flags' names
     path = tmp_path / "resolved.toml"
     path.write_text(printed)
     assert load_config(toml_path=path) == load_config(_parser().parse_args(["join", *flags]))
