@@ -220,10 +220,12 @@ class FakeRecords:
     progress: dict[str, PeerProgress] = field(default_factory=dict)
     fingerprints: list[str] = field(default_factory=list)
     published: list[PeerProgress] = field(default_factory=list)  # every record, in order
+    lifetimes: list[float] = field(default_factory=list)  # the ttl_s of each, in order
 
     def publish_progress(self, progress: PeerProgress, ttl_s: float = 60, wait: bool = False) -> None:
         self.progress[progress.peer_id] = progress
         self.published.append(progress)
+        self.lifetimes.append(ttl_s)
 
     def read_progress(self) -> dict[str, PeerProgress]:
         return dict(self.progress)

@@ -52,6 +52,7 @@ from p2p_diloco.unit.events import (
 )
 from p2p_diloco.unit.goodput import GoodputLedger
 from p2p_diloco.unit.joining import JoinError, swarm_round
+from p2p_diloco.unit.unit import LEFT_TTL_S, PROGRESS_TTL_S
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -443,6 +444,18 @@ def test_a_joiner_says_why_it_starts_from_the_initial_weights_after_another_unit
     with caplog.at_level(logging.WARNING, logger="p2p_diloco"):
         assert joiner.unit.join(swarm_seen=True) == "initial weights"
     assert "another unit joined this run before" in caplog.text
+
+
+def test_a_units_last_record_outlives_it_for_minutes_and_claims_no_round(make_peer: PeerFactory) -> None:
+    """``status`` shows a finished run's last records for LEFT_TTL_S; a joiner does not try to download the state of
+    units that left (nobody serves it)."""
+    a = make_peer("a", FakeGroup())
+    a.unit.publish("training", wait=False)
+    a.unit.publish("left", wait=True)
+    assert a.records.lifetimes == [PROGRESS_TTL_S, LEFT_TTL_S] and LEFT_TTL_S >= 300
+    records = FakeRecords({"gone": progress("gone", 5, a.unit.loaded.fingerprint).copy(update={"phase": "left"})})
+    joiner = make_peer("joiner", FakeGroup(), records=records)
+    assert joiner.unit.join() == "initial weights" and joiner.state_server.downloads == 0
 
 
 def test_join_resumes_a_checkpoint_newer_than_the_swarm(make_peer: PeerFactory) -> None:

@@ -5,7 +5,8 @@ downloads φ, the outer momentum and the counters from a live peer and trains fr
 checkpoint, or starts from the initial weights when the swarm has no state yet. The round a swarm is at is the latest
 that its units claim, each by the later of its progress record (published every 10 s) and its donor record (declared
 every round: a unit that joined while the progress records still said round 0 trained from the initial weights). A
-round claimed far ahead of the others' is not believed (members.py ``believed_rounds``).
+round claimed far ahead of the others' is not believed (members.py ``believed_rounds``). A unit that left (its last
+record, which outlives it for minutes) serves nothing and claims nothing.
 """
 
 from __future__ import annotations

@@ -64,6 +64,9 @@ logger = logging.getLogger(__name__)
 # census every PROGRESS_EVERY_S.
 PROGRESS_EVERY_S = 10.0
 PROGRESS_TTL_S = 30.0
+LEFT_TTL_S = 600.0
+"""A unit's last record (phase "left") outlives it this long, so that ``status`` and the dashboard show a finished
+run's last records (and how old each is) for minutes; a joiner does not count it (joining.py)."""
 
 
 @dataclass
@@ -175,8 +178,10 @@ class LearningUnit:
 
     def _claimed_round(self) -> int:
         """The latest round the other units claim in the records readable now (-1: none)."""
-        progress, declared = self.network.records.read_progress(), self.network.state_server.declared_rounds()
-        return swarm_round(progress, declared, self.network.peer_id)
+        progress = in_phase(
+            self.network.records.read_progress(), "training", "finishing"
+        )  # a unit that left serves no state
+        return swarm_round(progress, self.network.state_server.declared_rounds(), self.network.peer_id)
 
     # ----------------------------------------------------------------------------------------- training
     def run(self, stop: threading.Event) -> None:
@@ -364,7 +369,8 @@ class LearningUnit:
             phase=phase, eval_loss=eval_loss, probe=record_probe(self.state.probe()),
             period_s=self.engine.schedule.desired_period_s,
         )  # fmt: skip
-        self.network.records.publish_progress(progress, ttl_s=PROGRESS_TTL_S, wait=wait)
+        ttl_s = LEFT_TTL_S if phase == "left" else PROGRESS_TTL_S
+        self.network.records.publish_progress(progress, ttl_s=ttl_s, wait=wait)
 
     def phases(self) -> dict[str, Announcement]:
         """Every unit's phase as the run's progress records show them now, when each was published and its φ probe
