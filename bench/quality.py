@@ -23,7 +23,6 @@ import random
 import tempfile
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
@@ -33,7 +32,7 @@ import torch
 from p2p_diloco.config import Codec, PeerConfig
 from p2p_diloco.diloco import probe_drift
 from p2p_diloco.network.compression import roundtrip
-from p2p_diloco.network.records import PeerProgress, PendingProgress
+from p2p_diloco.network.records import PeerProgress, PendingProgress, PendingRead, RunListing, answered
 from p2p_diloco.network.state_sync import SwarmState
 from p2p_diloco.rounds.averager import GroupRequest, RoundOutcome, check_round_request
 from p2p_diloco.settings import load_config
@@ -252,9 +251,13 @@ class _NoRecords:
         return {}
 
     def read_progress_soon(self) -> PendingProgress:
-        nothing: Future = Future()
-        nothing.set_result({})
-        return PendingProgress(nothing, "local", records=dict)
+        return answered("local", {})
+
+    def list_run(self, ttl_s: float = 600) -> None:
+        pass
+
+    def read_runs_soon(self) -> PendingRead[dict[str, RunListing]]:
+        return answered("local", {})
 
     def refresh_model_fingerprint(self, fingerprint: str, ttl_s: float = 3600) -> None:
         pass

@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
 
 from p2p_diloco.diloco import probe_drift, weighted_average
-from p2p_diloco.network.records import PeerProgress, PendingProgress
+from p2p_diloco.network.records import PeerProgress, PendingProgress, PendingRead, RunListing, answered
 from p2p_diloco.network.state_sync import SwarmState
 from p2p_diloco.rounds.averager import GroupRequest, RoundOutcome, check_round_request
 
@@ -215,12 +214,16 @@ def _copy_state(state: SwarmState) -> SwarmState:
 
 @dataclass
 class FakeRecords:
-    """Emulates ``SwarmRecords``' progress and fingerprint records of one run, in memory (nothing expires)."""
+    """Emulates ``SwarmRecords``' progress and fingerprint records of one run and the directory of runs, in memory
+    (nothing expires)."""
 
     progress: dict[str, PeerProgress] = field(default_factory=dict)
     fingerprints: list[str] = field(default_factory=list)
     published: list[PeerProgress] = field(default_factory=list)  # every record, in order
     lifetimes: list[float] = field(default_factory=list)  # the ttl_s of each, in order
+    runs: dict[str, RunListing] = field(default_factory=dict)  # the directory of runs
+    listed: int = 0  # this run listed in it
+    runs_reads: int = 0
 
     def publish_progress(self, progress: PeerProgress, ttl_s: float = 60, wait: bool = False) -> None:
         self.progress[progress.peer_id] = progress
@@ -231,9 +234,14 @@ class FakeRecords:
         return dict(self.progress)
 
     def read_progress_soon(self) -> PendingProgress:
-        found: Future = Future()
-        found.set_result(dict(self.progress))
-        return PendingProgress(found, "fake_progress", records=dict)
+        return answered("fake_progress", dict(self.progress))
+
+    def list_run(self, ttl_s: float = 600) -> None:
+        self.listed += 1
+
+    def read_runs_soon(self) -> PendingRead[dict[str, RunListing]]:
+        self.runs_reads += 1
+        return answered("fake_runs", dict(self.runs))
 
     def refresh_model_fingerprint(self, fingerprint: str, ttl_s: float = 3600) -> None:
         self.fingerprints.append(fingerprint)

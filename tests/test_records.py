@@ -17,7 +17,14 @@ from p2p_diloco.config import NetworkSection
 from p2p_diloco.network import records
 from p2p_diloco.network.dht import stop_dht, visible_multiaddrs
 from p2p_diloco.network.membership import RunAccess
-from p2p_diloco.network.records import ModelClaim, PeerProgress, PendingProgress, SwarmRecords, in_phase
+from p2p_diloco.network.records import (
+    ModelClaim,
+    PeerProgress,
+    PendingRead,
+    SwarmRecords,
+    in_phase,
+    latest_progress,
+)
 from p2p_diloco.ops.status import format_table, run_status
 
 pytestmark = pytest.mark.swarm
@@ -88,7 +95,7 @@ def test_progress_read_without_waiting(swarm):
 def test_unanswered_read_counts_as_empty(monkeypatch, caplog):
     """A read still pending after ``DHT_TIMEOUT_S`` is over and empty, with a warning; before that, pending."""
     never_answered: Future = Future()
-    pending = PendingProgress(never_answered, "key")
+    pending = PendingRead(never_answered, "key", latest_progress)
     assert pending.poll() is None
     monkeypatch.setattr(records, "DHT_TIMEOUT_S", 0.0)
     with caplog.at_level(logging.WARNING, logger="p2p_diloco.network.records"):
@@ -253,3 +260,25 @@ def test_status_watch_prints_one_json_object_per_read_until_stopped(swarm):
     peers = {peer["peer_id"]: peer for peer in snapshots[-1]["peers"]}
     assert peers[pa]["state"] == "live" and peers[pa]["eval_loss"] == 3.5 and peers[pb]["state"] == "left"
     assert snapshots[-1]["swarm"]["live_peers"] == 1 and snapshots[-1]["swarm"]["eval_loss"] == 3.5
+
+
+def test_open_runs_list_themselves_in_the_directory_of_runs_and_private_ones_do_not():
+    """A unit of another run reads which runs have units training (the hint for a typo in --run-id)."""
+
+    def access(index: int, _peer_id: str) -> RunAccess:
+        return RunAccess(("tiny", "other", "private")[index], run_key=b"k" * 32 if index == 2 else None)
+
+    with record_peers(3, access) as peers:
+        tiny, other, private = peers
+        tiny.list_run()
+        private.list_run()
+
+        seen: dict = {}
+
+        def listed_tiny() -> bool:
+            pending = other.read_runs_soon()
+            wait_until(lambda: seen.update(runs=pending.poll()) or seen["runs"] is not None, 15, "a read's end")
+            return "tiny" in seen["runs"]
+
+        wait_until(listed_tiny, 10, "the run's listing")
+        assert set(seen["runs"]) == {"tiny"} and seen["runs"]["tiny"].last_seen > 0

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 import hivemind
 import pydantic.v1 as pydantic
@@ -42,6 +42,8 @@ if TYPE_CHECKING:  # pydantic.v1's constrained types are calls, which a type che
     _DIGEST = str
     _ROUNDS = list[int]
     _PROBE = list[float]
+    _SETTINGS = str
+    _RUN_ID = str
 else:
     _SHORT_TEXT = pydantic.constr(strict=True, min_length=1, max_length=128)
     _COUNT = pydantic.conint(strict=True, ge=0)
@@ -51,6 +53,8 @@ else:
     _DIGEST = pydantic.constr(strict=True, regex=r"^[0-9a-f]{64}$")
     _ROUNDS = pydantic.conlist(_COUNT, min_items=1, max_items=4096)
     _PROBE = pydantic.conlist(pydantic.confloat(strict=True, allow_inf_nan=False), max_items=RECORD_PROBE_SIZE)
+    _SETTINGS = pydantic.constr(strict=True, max_length=256)
+    _RUN_ID = pydantic.constr(strict=True, min_length=1, max_length=64)
 _FLOAT_FIELDS = ("tokens_per_s", "loss", "last_seen", "useful_compute_s", "allocated_s", "eval_loss", "period_s")
 
 
@@ -76,6 +80,7 @@ class PeerProgress(pydantic.BaseModel):
     probe: _PROBE = []  # its φ at RECORD_PROBE_SIZE probe coordinates (consensus.py); []: an older peer
     period_s: _NON_NEGATIVE = 0.0  # the round period it wants (rounds/clock.py); 0.0: none, or an older peer
     admission: _ADMISSION_TEXT = ""  # a private run's admission of ``peer_id`` (membership.py); "" in an open run
+    round_settings: _SETTINGS = ""  # what its rounds carry and its outer step (plan.py ``round_settings``); "": older
 
     class Config:
         extra = pydantic.Extra.forbid
@@ -117,6 +122,22 @@ class DonorRecord(pydantic.BaseModel):
     @property
     def outer_round(self) -> int:
         return min(self.fragment_rounds)
+
+
+class RunListing(pydantic.BaseModel):
+    """An open run with a unit training now, in the directory of runs every unit reads (``RUNS_KEY``): how a unit that
+    trains alone learns of the runs other units train in (a typo in ``--run-id`` is otherwise silent). Unsigned: a
+    listing is only ever a hint in a log line."""
+
+    run_id: _RUN_ID
+    last_seen: _NON_NEGATIVE
+
+    class Config:
+        extra = pydantic.Extra.forbid
+
+
+RUNS_KEY = "p2p_diloco_runs"
+"""The directory of open runs: one subkey per run id, written by its units now and then (private runs stay out)."""
 
 
 class _RunSchema(pydantic.BaseModel):
@@ -178,33 +199,48 @@ class ProgressRecords(Protocol):
 
     def publish_membership(self, ttl_s: float = 3600, wait: bool = False) -> None: ...
 
+    def list_run(self, ttl_s: float = 600) -> None: ...
 
-class PendingProgress:
-    """A read of the progress records that may not have finished: :meth:`poll` never blocks.
+    def read_runs_soon(self) -> PendingRead[dict[str, RunListing]]: ...
 
-    ``found`` is the DHT get's future, whose value ``records`` turns into the records (by default
-    :func:`latest_progress`); a read that failed, or is not done ``DHT_TIMEOUT_S`` after it began, counts as an
-    empty one (with a warning), like ``read_progress``.
+
+Read = TypeVar("Read")
+
+
+class PendingRead(Generic[Read]):
+    """A read of records that may not have finished: :meth:`poll` never blocks.
+
+    ``found`` is the DHT get's future, whose value ``records`` turns into the records; a read that failed, or is not
+    done ``DHT_TIMEOUT_S`` after it began, counts as an empty one (with a warning), like ``read_progress``.
     """
 
-    def __init__(
-        self, found: Future, key: str, records: Callable[[Any], dict[str, PeerProgress]] | None = None
-    ) -> None:
+    def __init__(self, found: Future, key: str, records: Callable[[Any], Read]) -> None:
         self._found, self._key, self._began = found, key, time.monotonic()
-        self._records = records or latest_progress
+        self._records = records
 
-    def poll(self) -> dict[str, PeerProgress] | None:
-        """The unexpired, well-formed records by peer id once the read is over, else None."""
+    def poll(self) -> Read | None:
+        """The unexpired, well-formed records once the read is over, else None."""
         if not self._found.done():
             if time.monotonic() - self._began < DHT_TIMEOUT_S:
                 return None
             logger.warning("dht get failed key=%s error=no answer in %.0f s", self._key, DHT_TIMEOUT_S)
-            return {}
+            return self._records(None)
         try:
             return self._records(self._found.result())
         except Exception as error:
             logger.warning("dht get failed key=%s error=%s", self._key, error or type(error).__name__)
-            return {}
+            return self._records(None)
+
+
+PendingProgress = PendingRead[dict[str, PeerProgress]]
+"""A read of the progress records (by peer id; :func:`latest_progress`)."""
+
+
+def answered(key: str, records: Read) -> PendingRead[Read]:
+    """A read that is already over with ``records`` (where no DHT is read: one process, tests)."""
+    found: Future = Future()
+    found.set_result(None)
+    return PendingRead(found, key, lambda _found: records)
 
 
 def in_phase(records: dict[str, PeerProgress], *phases: Phase) -> dict[str, PeerProgress]:
@@ -230,6 +266,10 @@ def unexpired_records(found: hivemind.utils.ValueWithExpiration | None, model: t
         if item.expiration_time > now:
             records.append(record)
     return records
+
+
+def _listings(found: hivemind.utils.ValueWithExpiration | None) -> dict[str, RunListing]:
+    return {listing.run_id: listing for listing in unexpired_records(found, RunListing)}
 
 
 def latest_progress(found: hivemind.utils.ValueWithExpiration | None) -> dict[str, PeerProgress]:
@@ -306,7 +346,23 @@ class SwarmRecords:
             found = self.dht.get(self.progress_key, latest=True, return_future=True)
         except Exception as error:  # reported by the read's poll, like any failed get
             found.set_exception(error)
-        return PendingProgress(found, self.progress_key)
+        return PendingRead(found, self.progress_key, latest_progress)
+
+    def list_run(self, ttl_s: float = 600) -> None:
+        """Say in the directory of runs that this open run has a unit training now (a private run is never listed);
+        returns at once, warns on failures."""
+        if not self.access.private:
+            listing = RunListing(run_id=self.run_id, last_seen=get_dht_time())
+            self._store(RUNS_KEY, listing.dict(), ttl_s, subkey=self.run_id, wait=False)
+
+    def read_runs_soon(self) -> PendingRead[dict[str, RunListing]]:
+        """Start reading the directory of runs (the unexpired, well-formed listings by run id); returns at once."""
+        found: Future = Future()
+        try:
+            found = self.dht.get(RUNS_KEY, latest=True, return_future=True)
+        except Exception as error:  # reported by the read's poll
+            found.set_exception(error)
+        return PendingRead(found, RUNS_KEY, _listings)
 
     def claim_model_fingerprint(self, fingerprint: str, ttl_s: float = 3600) -> ModelClaim:
         """The swarm's model fingerprint: the one already published if any (``earlier``: a unit joined the run before
@@ -330,7 +386,7 @@ class SwarmRecords:
         Returns at once unless ``wait``."""
         self._store(self.model_key, fingerprint, ttl_s, wait=wait)
 
-    def _store(self, key: str, value: Any, ttl_s: float, subkey: bytes | None = None, wait: bool = True) -> None:
+    def _store(self, key: str, value: Any, ttl_s: float, subkey: bytes | str | None = None, wait: bool = True) -> None:
         try:
             future = self.dht.store(key, value, get_dht_time() + ttl_s, subkey=subkey, return_future=True)
         except Exception as error:  # network hiccups must not stop training

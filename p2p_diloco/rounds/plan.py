@@ -181,12 +181,20 @@ class RoundPlan:
 
     def keys(self, run_id: str, fingerprint: str) -> KeySchema:
         """Where this plan's units meet and share state (see :class:`KeySchema`)."""
+        digest = hashlib.blake2b(self._round_digested().encode(), digest_size=5).hexdigest()
+        return KeySchema(run_id, fingerprint, len(self.fragments), digest)
+
+    def round_settings(self) -> str:
+        """``name=value;...`` of every setting that decides whom this plan's units meet in rounds besides the run and
+        the model (the fragments and what the key's digest hashes), for a person to compare (progress records)."""
+        return f"fragments={len(self.fragments)};{self._round_digested()}"
+
+    def _round_digested(self) -> str:
+        """What a round carries (payload, codec, merge rule) and the outer step, as the key's digest hashes them."""
         step, hyper = self.step, self.step.hyper
         carried = f"payload={step.payload.value};codec={step.codec}"
         outer_step = f"lr={hyper.lr!r};momentum={hyper.momentum!r};nesterov={hyper.nesterov}"
-        outer_step += "" if step.mean_merged is None else ";merge=rda"
-        digest = hashlib.blake2b(f"{carried};{outer_step}".encode(), digest_size=5).hexdigest()
-        return KeySchema(run_id, fingerprint, len(self.fragments), digest)
+        return carried + ";" + outer_step + ("" if step.mean_merged is None else ";merge=rda")
 
     def radial(self, fragment: Fragment) -> tuple[bool, ...] | None:
         """RDA: per piece of ``fragment``, whether it is merged by norm and direction (not an embedding); None for

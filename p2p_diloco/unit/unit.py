@@ -50,6 +50,7 @@ from p2p_diloco.unit.goodput import LEDGER_FILE, GoodputLedger
 from p2p_diloco.unit.inner import EvalBatch, InnerTrainer, StepStats, copy_into, host_copies
 from p2p_diloco.unit.joining import data_position, download_state, own_checkpoint, swarm_round, swarm_round_seen
 from p2p_diloco.unit.metrics import ProgressBars, Throughput
+from p2p_diloco.unit.mismatch import MismatchWatch
 from p2p_diloco.unit.model import LoadedModel, export_pretrained
 from p2p_diloco.unit.ranks import Ranks, ThetaLink, UnitStart, theta_probe
 from p2p_diloco.unit.tracking import UnitCounters, consensus_event, round_event
@@ -115,6 +116,9 @@ class LearningUnit:
                                   roundtrip=functools.partial(roundtrip, codec=plan.step.codec),
                                   peer_id=network.peer_id)  # fmt: skip
         self.state = self.engine.state  # φ, m and the fragments' rounds
+        self.round_settings = plan.round_settings()
+        self.mismatches = MismatchWatch(network.records, config.network.run_id, network.peer_id, loaded.fingerprint,
+                                        self.round_settings)  # fmt: skip
         self.inner_step = self.tokens = 0
         self.data_position = DataPosition()  # where the unit's data stream starts (join: from its checkpoint)
         self._stream: TrainingStream | None = None
@@ -226,9 +230,11 @@ class LearningUnit:
         if self._census_read is not None and (live := self._census_read.poll()) is not None:
             self._census_read = None
             if live:  # an empty or failed read keeps the last census; the unit counts itself
-                live_units = in_phase(live, "training", "finishing").values()
-                self.engine.census = {record.peer_id: record.period_s for record in live_units}
+                live_units = in_phase(live, "training", "finishing")
+                self.engine.census = {record.peer_id: record.period_s for record in live_units.values()}
                 self.metrics.write(consensus_event(in_phase(live, "training").values()))
+                self.mismatches.census(live_units)
+        self.mismatches.poll()
 
     def _write_replica_probe(self) -> None:
         """θ at the probe coordinates, which each replica writes after θ was shared (ranks.py)."""
@@ -295,6 +301,7 @@ class LearningUnit:
         merged = end.kind is RoundKind.FRAGMENT and end.merged
         if merged:
             self.last_group_size = end.group_size
+            self.mismatches.round_merged(end.group_size)
             self.ledger.record_merge(end.useful_compute_s, end.useful_tokens)
             self._advanced = self._advanced or end.advanced
         self._report(end, wire=merged and end.advanced)
@@ -367,7 +374,7 @@ class LearningUnit:
             group_size=self.last_group_size, model_fingerprint=self.loaded.fingerprint,
             useful_compute_s=self.ledger.useful_compute_s, allocated_s=self.ledger.allocated_s(time.time()),
             phase=phase, eval_loss=eval_loss, probe=record_probe(self.state.probe()),
-            period_s=self.engine.schedule.desired_period_s,
+            period_s=self.engine.schedule.desired_period_s, round_settings=self.round_settings,
         )  # fmt: skip
         ttl_s = LEFT_TTL_S if phase == "left" else PROGRESS_TTL_S
         self.network.records.publish_progress(progress, ttl_s=ttl_s, wait=wait)
