@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ from safetensors.torch import load_file
 from swarms import close_leaving_nothing, quick_swarm
 from transformers import AutoModelForCausalLM, TrainerControl, TrainerState, TrainingArguments
 
+from bench.swarm import Swarm
 from p2p_diloco.api import DiLoCoCallback
 from p2p_diloco.config import ConfigError, SwarmSections, swarm_sections
 from p2p_diloco.ops.launcher import spawn
@@ -69,15 +71,10 @@ def test_the_example_loop_and_trainer_train_and_average_between_two_processes(tm
     swarm = quick_swarm(tmp_path)
     try:
         maddr = swarm.bootstrap("bootstrap")
-        for index, name in enumerate(("a", "b")):
-            work_dir = tmp_path / name
-            work_dir.mkdir()
-            command = [sys.executable, str(LOOPS[name]), "--initial-peers", maddr, "--run-id", swarm.run_id,
-                       "--work-dir", str(work_dir), "--steps", "100", "--data-seed", str(index)]  # fmt: skip
-            swarm.processes[name] = spawn(command, work_dir / "stdout.log")
-        swarm.wait_for(lambda: all(not swarm.running(name) for name in ("a", "b")), timeout_s=240,
-                       what="both examples to finish their 100 steps")  # fmt: skip
-        assert all(swarm.processes[name].returncode == 0 for name in ("a", "b")), swarm.tails()
+        commands = {name: [sys.executable, str(LOOPS[name]), "--initial-peers", maddr, "--run-id", swarm.run_id,
+                           "--work-dir", str(tmp_path / name), "--steps", "100", "--data-seed", str(index)]
+                    for index, name in enumerate(("a", "b"))}  # fmt: skip
+        run_to_the_end(swarm, commands, os.environ, "both examples to finish their 100 steps")
     finally:
         close_leaving_nothing(swarm)
     for name in ("a", "b"):
@@ -103,24 +100,19 @@ def test_a_run_clm_style_script_is_a_unit_with_the_documented_change(tmp_path: P
     stop_at = time.time() + 75
     try:
         maddr = swarm.bootstrap("bootstrap")
-        for name in ("a", "b"):
-            work_dir = tmp_path / name
-            work_dir.mkdir()
-            command = [sys.executable, str(Path(__file__).parent / "clm_unit.py"), "--config_name", str(TINY_MODEL),
-                       "--tokenizer_name", str(TINY_MODEL), "--train_file", str(CORPUS / "moby_dick.txt"),
-                       "--output_dir", str(work_dir / "trainer"), "--max_steps", "100000",
-                       "--per_device_train_batch_size", "4", "--learning_rate", "3e-3",
-                       "--lr_scheduler_type", "constant", "--use_cpu", "true",
-                       "--include_num_input_tokens_seen", "true", "--save_strategy", "no", "--report_to", "none",
-                       "--logging_steps", "50", "--disable_tqdm", "true", "--seed", "0",
-                       "--data_seed", str(ord(name))]  # fmt: skip
-            environment = {**os.environ, "RUN_ID": swarm.run_id, "SWARM_MADDR": maddr,
-                           "UNIT_WORK_DIR": str(work_dir), "STOP_AT": str(stop_at),
-                           "HF_DATASETS_CACHE": str(tmp_path / "datasets")}  # fmt: skip
-            swarm.processes[name] = spawn(command, work_dir / "stdout.log", env=environment)
-        swarm.wait_for(lambda: all(not swarm.running(name) for name in ("a", "b")), timeout_s=240,
-                       what="both scripts to stop at the run's stop time")  # fmt: skip
-        assert all(swarm.processes[name].returncode == 0 for name in ("a", "b")), swarm.tails()
+        commands = {name: [sys.executable, str(Path(__file__).parent / "clm_unit.py"), "--config_name",
+                           str(TINY_MODEL), "--tokenizer_name", str(TINY_MODEL), "--train_file",
+                           str(CORPUS / "moby_dick.txt"), "--output_dir", str(tmp_path / name / "trainer"),
+                           "--max_steps", "100000", "--per_device_train_batch_size", "4", "--learning_rate", "3e-3",
+                           "--lr_scheduler_type", "constant", "--use_cpu", "true",
+                           "--include_num_input_tokens_seen", "true", "--save_strategy", "no", "--report_to", "none",
+                           "--logging_steps", "50", "--disable_tqdm", "true", "--seed", "0",
+                           "--data_seed", str(ord(name))]
+                    for name in ("a", "b")}  # fmt: skip
+        environment = {**os.environ, "RUN_ID": swarm.run_id, "SWARM_MADDR": maddr, "STOP_AT": str(stop_at),
+                       "HF_DATASETS_CACHE": str(tmp_path / "datasets")}  # fmt: skip
+        run_to_the_end(swarm, commands, environment, "both scripts to stop at the run's stop time",
+                       work_dir_variable="UNIT_WORK_DIR")  # fmt: skip
     finally:
         close_leaving_nothing(swarm)
     for name in ("a", "b"):
@@ -145,3 +137,16 @@ def test_a_run_clm_style_script_is_a_unit_with_the_documented_change(tmp_path: P
     AutoModelForCausalLM.from_pretrained(tmp_path / "exported")
     exported = load_file(tmp_path / "exported" / "model.safetensors")
     assert exported.keys() == saved[0].keys() and all(torch.equal(exported[key], saved[0][key]) for key in exported)
+
+
+def run_to_the_end(swarm: Swarm, commands: dict[str, list[str]], environment: Mapping[str, str], what: str,
+                   work_dir_variable: str | None = None) -> None:  # fmt: skip
+    """Start each of ``commands`` as node ``name`` of ``swarm`` (its stdout.log in the work dir ``swarm.root / name``,
+    also given in ``work_dir_variable`` when named) and wait until all exited, each with status 0."""
+    for name, command in commands.items():
+        work_dir = swarm.root / name
+        work_dir.mkdir()
+        unit_environment = {**environment, **({work_dir_variable: str(work_dir)} if work_dir_variable else {})}
+        swarm.processes[name] = spawn(command, work_dir / "stdout.log", env=unit_environment)
+    swarm.wait_for(lambda: not any(swarm.running(name) for name in commands), timeout_s=240, what=what)
+    assert all(swarm.processes[name].returncode == 0 for name in commands), swarm.tails()
