@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -103,6 +104,36 @@ def test_late_joiner_downloads_the_swarm_state(swarm: Swarm) -> None:
     assert status.returncode == 0, status.stderr
     peer_ids = {swarm.events(name, Join)[0].peer_id for name in ("a", "b", "late")}
     assert all(peer_id in status.stdout for peer_id in peer_ids), status.stdout
+
+
+def test_a_joiner_takes_the_state_of_units_busy_longer_than_their_records_live(swarm: Swarm) -> None:
+    """Issue 36: a SmolLM2 unit joined while the two others were busy in long evaluations (their progress records 24 to
+    34 s old: about to expire or expired) and trained from the initial weights. Here the units' main processes stop
+    (SIGSTOP, their forked DHT processes go on) until no progress record of the run is left: the joiner waits, takes
+    the round their donor records declare, and downloads the state once the units go on (a state server answers
+    through its unit's main process, which SIGSTOP stops entirely: a busy evaluation does not)."""
+    maddr = swarm.bootstrap("bootstrap")
+    for name in ("a", "b"):
+        swarm.unit(name, [maddr])
+    swarm.wait_for(lambda: all(len(swarm.rounds(n)) >= 3 for n in ("a", "b")), timeout_s=150, what="3 rounds")
+    for name in ("a", "b"):  # busy: the main process stops, its children do not
+        pid = swarm.processes[name].pid
+        os.kill(pid, signal.SIGSTOP)
+        swarm.frozen[name], swarm.faulted_pids = [pid], swarm.faulted_pids | {pid}
+
+    def no_progress_left() -> bool:
+        status = subprocess.run([sys.executable, "-m", "p2p_diloco.cli", "status", "--initial-peers", maddr,
+                                 "--run-id", swarm.run_id], capture_output=True, text=True, timeout=60)  # fmt: skip
+        return status.returncode == 1 and "has reported progress" in status.stderr
+
+    swarm.wait_for(no_progress_left, timeout_s=90, what="the busy units' progress records to expire")
+    swarm.unit("late", [maddr])
+    console = swarm.root / "late" / "stdout.log"
+    swarm.wait_for(lambda: "donors declare outer round" in console.read_text(), timeout_s=90,
+                   what="late to take the donors' word for the swarm's round")  # fmt: skip
+    for name in ("a", "b"):  # the busy spell ends (hivemind's state server asks the main process for the state)
+        swarm.thaw(name)
+    assert_joined_from_swarm(swarm, "late", donors=("a", "b"))
 
 
 def test_split_swarm_comes_back_into_consensus(swarm: Swarm) -> None:

@@ -446,6 +446,22 @@ def test_a_joiner_says_why_it_starts_from_the_initial_weights_after_another_unit
     assert "another unit joined this run before" in caplog.text
 
 
+def test_a_joiner_takes_the_donors_state_when_no_unit_publishes_progress_for_a_while(
+    make_peer: PeerFactory, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Units busy for longer than their progress records live still serve their state (forked state servers)."""
+    monkeypatch.setattr(joining, "SEEN_RETRY_S", 0.01)
+    monkeypatch.setattr(joining, "SEEN_WAIT_S", 0.05)
+    first = make_peer("first", FakeGroup())
+    served = SwarmState(clone_all(first.unit.state.global_params), [], [2], 20, 0)
+    joiner = make_peer("joiner", FakeGroup(), served=served, outer__outer_momentum=0.0)
+    with caplog.at_level(logging.WARNING, logger="p2p_diloco"):
+        assert joiner.unit.join(swarm_seen=True) == "swarm" and joiner.unit.outer_round == 2
+    assert "donors declare outer round 2" in caplog.text
+    alone = make_peer("alone", FakeGroup(), served=served, outer__outer_momentum=0.0)
+    assert alone.unit.join(swarm_seen=False) == "initial weights"  # donor records alone: not believed (donor-flood)
+
+
 def test_a_units_last_record_outlives_it_for_minutes_and_claims_no_round(make_peer: PeerFactory) -> None:
     """``status`` shows a finished run's last records for LEFT_TTL_S; a joiner does not try to download the state of
     units that left (nobody serves it)."""

@@ -6,7 +6,9 @@ checkpoint, or starts from the initial weights when the swarm has no state yet. 
 that its units claim, each by the later of its progress record (published every 10 s) and its donor record (declared
 every round: a unit that joined while the progress records still said round 0 trained from the initial weights). A
 round claimed far ahead of the others' is not believed (members.py ``believed_rounds``). A unit that left (its last
-record, which outlives it for minutes) serves nothing and claims nothing.
+record, which outlives it for minutes) serves nothing and claims nothing. Donor records count alone only when another
+unit claimed the run's model before this one and no progress record is readable for a while (``swarm_round_seen``):
+otherwise identities that publish nothing but donor records could lure a joiner (red team ``donor-flood``).
 """
 
 from __future__ import annotations
@@ -57,22 +59,37 @@ def swarm_round(records: dict[str, PeerProgress], declared: dict[str, int], peer
     return max(believed_rounds(claims).values(), default=-1)
 
 
-def swarm_round_seen(claimed_round: Callable[[], int], swarm_seen: bool, timeout_s: float) -> int:
+def donors_round(declared: dict[str, int]) -> int:
+    """The latest round the donor records declare among those believed (-1: none)."""
+    return max(believed_rounds(declared).values(), default=-1)
+
+
+def swarm_round_seen(
+    claimed_round: Callable[[], int], donor_round: Callable[[], int], swarm_seen: bool, timeout_s: float
+) -> int:
     """The round the swarm claims (``claimed_round()``, -1: none). When nothing is readable but ``swarm_seen`` (a
     unit joined the run before this one), the records are read again every ``SEEN_RETRY_S`` for up to
-    ``min(timeout_s, SEEN_WAIT_S)`` (a get that failed, units too busy to answer in time); if they stay unreadable,
-    a warning says why the unit starts from the initial weights."""
+    ``min(timeout_s, SEEN_WAIT_S)`` (a get that failed; units busy for longer than their progress records live, in a
+    long evaluation or checkpoint); if no progress record is readable then, the donor records alone say where the swarm
+    is (``donor_round()``: units serving their state from their forked state servers while their training loops are
+    busy), with a warning; with none of either, a warning says why the unit starts from the initial weights."""
     claimed = claimed_round()
     if claimed >= 0 or not swarm_seen:
         return claimed
     wait_s = min(timeout_s, SEEN_WAIT_S)
-    logger.info("run's model record was published by another unit, but none of its progress or donor records is "
+    logger.info("the run's model record was published by another unit, but none of its progress or donor records is "
                 "readable: reading them again for up to %.0f s", wait_s)  # fmt: skip
     deadline = time.monotonic() + wait_s
     while claimed < 0 and time.monotonic() < deadline:
         time.sleep(SEEN_RETRY_S)
         claimed = claimed_round()
-    if claimed < 0:
+    if claimed >= 0:
+        return claimed
+    claimed = donor_round()
+    if claimed > 0:
+        logger.warning("no unit of this run published progress within %.0f s, but donors declare outer round %d: "
+                       "taking their state", wait_s, claimed)  # fmt: skip
+    else:
         logger.warning("starting from the initial weights although another unit joined this run before (its model "
                        "record): no progress or donor record of a live unit was readable within %.0f s; if the swarm "
                        "is past round 0, its rounds will pull this unit in", wait_s)  # fmt: skip

@@ -48,7 +48,14 @@ from p2p_diloco.unit.evaluation import Evaluator
 from p2p_diloco.unit.forking import optimizer_tensors
 from p2p_diloco.unit.goodput import LEDGER_FILE, GoodputLedger
 from p2p_diloco.unit.inner import EvalBatch, InnerTrainer, StepStats, copy_into, host_copies
-from p2p_diloco.unit.joining import data_position, download_state, own_checkpoint, swarm_round, swarm_round_seen
+from p2p_diloco.unit.joining import (
+    data_position,
+    donors_round,
+    download_state,
+    own_checkpoint,
+    swarm_round,
+    swarm_round_seen,
+)
 from p2p_diloco.unit.metrics import ProgressBars, Throughput
 from p2p_diloco.unit.mismatch import MismatchWatch
 from p2p_diloco.unit.model import LoadedModel, export_pretrained
@@ -159,7 +166,9 @@ class LearningUnit:
         local_round = int(checkpoint["outer_round"]) if checkpoint is not None else -1
         self.data_position = data_position(checkpoint, self.data)
         seen = swarm_seen and checkpoint is None  # a unit with a checkpoint may have claimed the run itself
-        claimed = swarm_round_seen(self._claimed_round, seen, self.config.network.join_timeout_s)
+        donors = self.network.state_server.declared_rounds
+        claimed = swarm_round_seen(self._claimed_round, lambda: donors_round(donors()), seen,
+                                   self.config.network.join_timeout_s)  # fmt: skip
         source: events.JoinSource = "initial weights"
         if claimed > max(local_round, 0):
             network = self.config.network
