@@ -44,6 +44,11 @@ def _parser() -> argparse.ArgumentParser:
         help="ours-async: inner steps a round is in flight, as a fraction of H (measured: 8 of 20)",
     )
     parser.add_argument("--no-data-parallel", action="store_true", help="leave data-parallel out (run elsewhere)")
+    parser.add_argument(
+        "--data-parallel-streams", type=int, nargs="*", default=[], metavar="M",
+        help="also data-parallel whose step takes its global batch from M units' own document orders, as M DiLoCo "
+        "units read them (a check that the data order is not what DiLoCo loses on)",
+    )  # fmt: skip
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--jobs", type=int, default=2, help="methods trained at once (one CPU thread each)")
     parser.add_argument("--evals", type=int, default=16, help="eval points per method")
@@ -53,6 +58,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def methods(args: argparse.Namespace, horizon: Horizon) -> list[Method]:
     chosen = [] if args.no_data_parallel else [horizon.method("data-parallel", "data-parallel", 1)]
+    chosen += [horizon.method(f"data-parallel-{m}-streams", "data-parallel", m) for m in args.data_parallel_streams]
     delay = round(args.delay_fraction * args.inner_steps)
     return chosen + diloco_methods(args.units, args.async_units, args.outer_sets, dict(args.outer), args.alone_p,
                                    delay, make=horizon.method)  # fmt: skip
