@@ -85,7 +85,14 @@ def assert_joined_from_swarm(swarm: Swarm, name: str, donors: tuple[str, ...], a
     assert min(abs(loss - first_eval.eval_loss) for loss in donor_evals()) <= tolerance
 
 
-def test_late_joiner_downloads_the_swarm_state(swarm: Swarm) -> None:
+def test_late_joiners_download_the_swarm_state_even_from_units_busy_longer_than_their_records_live(
+    swarm: Swarm,
+) -> None:
+    """A late joiner downloads the state of a swarm past round 3. Then (issue 36: a SmolLM2 unit joined while the others
+    were busy in long evaluations, their progress records 24 to 34 s old, and trained from the initial weights) the
+    units' main processes stop (SIGSTOP; their forked DHT processes go on) until no progress record of the run is left:
+    a second joiner waits, takes the round their donor records declare, and downloads the state once the units go on
+    (a state server answers through its unit's main process, which SIGSTOP stops entirely)."""
     maddr = swarm.bootstrap("bootstrap")
     for name in ("a", "b"):
         swarm.unit(name, [maddr])
@@ -95,45 +102,34 @@ def test_late_joiner_downloads_the_swarm_state(swarm: Swarm) -> None:
     swarm.wait_for(
         lambda: any(r.group_size == 3 for r in swarm.rounds("late")), timeout_s=90, what="a round with all three"
     )
-    status = subprocess.run(
-        [sys.executable, "-m", "p2p_diloco.cli", "status", "--initial-peers", maddr, "--run-id", swarm.run_id],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    status = run_status(maddr, swarm.run_id)
     assert status.returncode == 0, status.stderr
     peer_ids = {swarm.events(name, Join)[0].peer_id for name in ("a", "b", "late")}
     assert all(peer_id in status.stdout for peer_id in peer_ids), status.stdout
 
-
-def test_a_joiner_takes_the_state_of_units_busy_longer_than_their_records_live(swarm: Swarm) -> None:
-    """Issue 36: a SmolLM2 unit joined while the two others were busy in long evaluations (their progress records 24 to
-    34 s old: about to expire or expired) and trained from the initial weights. Here the units' main processes stop
-    (SIGSTOP, their forked DHT processes go on) until no progress record of the run is left: the joiner waits, takes
-    the round their donor records declare, and downloads the state once the units go on (a state server answers
-    through its unit's main process, which SIGSTOP stops entirely: a busy evaluation does not)."""
-    maddr = swarm.bootstrap("bootstrap")
-    for name in ("a", "b"):
-        swarm.unit(name, [maddr])
-    swarm.wait_for(lambda: all(len(swarm.rounds(n)) >= 3 for n in ("a", "b")), timeout_s=150, what="3 rounds")
-    for name in ("a", "b"):  # busy: the main process stops, its children do not
+    busy = ("a", "b", "late")
+    for name in busy:  # busy: the main process stops, its children do not
         pid = swarm.processes[name].pid
         os.kill(pid, signal.SIGSTOP)
         swarm.frozen[name], swarm.faulted_pids = [pid], swarm.faulted_pids | {pid}
 
     def no_progress_left() -> bool:
-        status = subprocess.run([sys.executable, "-m", "p2p_diloco.cli", "status", "--initial-peers", maddr,
-                                 "--run-id", swarm.run_id], capture_output=True, text=True, timeout=60)  # fmt: skip
+        status = run_status(maddr, swarm.run_id)
         return status.returncode == 1 and "has reported progress" in status.stderr
 
     swarm.wait_for(no_progress_left, timeout_s=90, what="the busy units' progress records to expire")
-    swarm.unit("late", [maddr])
-    console = swarm.root / "late" / "stdout.log"
+    swarm.unit("later", [maddr])
+    console = swarm.root / "later" / "stdout.log"
     swarm.wait_for(lambda: "donors declare outer round" in console.read_text(), timeout_s=90,
-                   what="late to take the donors' word for the swarm's round")  # fmt: skip
-    for name in ("a", "b"):  # the busy spell ends (hivemind's state server asks the main process for the state)
+                   what="later to take the donors' word for the swarm's round")  # fmt: skip
+    for name in busy:  # the busy spell ends
         swarm.thaw(name)
-    assert_joined_from_swarm(swarm, "late", donors=("a", "b"))
+    assert_joined_from_swarm(swarm, "later", donors=busy)
+
+
+def run_status(maddr: str, run_id: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "p2p_diloco.cli", "status", "--initial-peers", maddr, "--run-id", run_id]
+    return subprocess.run(command, capture_output=True, text=True, timeout=60)
 
 
 def test_split_swarm_comes_back_into_consensus(swarm: Swarm) -> None:
