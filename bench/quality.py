@@ -272,7 +272,7 @@ class _NoStateServer:
     def publish(self, state: SwarmState) -> None:
         pass
 
-    def download(self, timeout_s: float) -> SwarmState | None:
+    def download(self, timeout_s: float, refused: frozenset[str] = frozenset()) -> SwarmState | None:
         return None
 
     def declared_rounds(self) -> dict[str, int]:

@@ -96,6 +96,23 @@ def _serve_poisoned_state() -> None:
     StateServer.publish = publish  # type: ignore[method-assign]
 
 
+def _serve_forged_state_together() -> None:
+    """Every state this process publishes is its φ plus noise drawn from the state's rounds alone, declared two rounds
+    ahead of its own (a believable round: within MAX_ROUND_LEAD): two red units on one model serve the same forged
+    state, so each corroborates the other's (issue 37, colluding donors)."""
+    honest = StateServer.publish
+
+    @functools.wraps(honest)
+    def publish(self: StateServer, state: SwarmState) -> None:
+        ahead = [outer_round + 2 for outer_round in state.fragment_rounds]
+        noise = torch.Generator().manual_seed(sum(ahead))
+        forged = [tensor + torch.randn(tensor.shape, generator=noise, dtype=tensor.dtype) for tensor in
+                  state.global_params]  # fmt: skip
+        honest(self, SwarmState(forged, state.momentum, ahead, state.inner_step, state.tokens))
+
+    StateServer.publish = publish  # type: ignore[method-assign]
+
+
 def _flood_donor_records() -> None:
     """With every state it publishes, this process declares SYBIL_DONORS other identities (signed by each, so valid
     records) donors of a believable, fresher state: MAX_ROUND_LEAD rounds ahead of its own; none serves anything."""
@@ -147,6 +164,7 @@ def _forge_progress_records() -> None:
 OTHER_REWRITES: dict[str, Callable[[], None]] = {
     "reducer-x1000": _reduce_thousandfold,
     "state-far-ahead": _serve_poisoned_state,
+    "state-forged-together": _serve_forged_state_together,
     "donor-flood": _flood_donor_records,
     "record-forgery": _forge_progress_records,
 }

@@ -193,9 +193,10 @@ class FakeStateServer:
     def publish(self, state: SwarmState) -> None:
         self.published.append(_copy_state(state))
 
-    def download(self, timeout_s: float) -> SwarmState | None:
+    def download(self, timeout_s: float, refused: frozenset[str] = frozenset()) -> SwarmState | None:
+        """The served state from its donor (peer ``donor``), unless the caller refused that donor."""
         self.downloads += 1
-        return None if self.served is None else _copy_state(self.served)
+        return None if self.served is None or "donor" in refused else _copy_state(self.served)
 
     def declared_rounds(self) -> dict[str, int]:
         """A served state is declared by the record of its donor (peer ``donor``), as in a swarm."""
@@ -209,6 +210,7 @@ def _copy_state(state: SwarmState) -> SwarmState:
         list(state.fragment_rounds),
         state.inner_step,
         state.tokens,
+        donors=("donor",),
     )
 
 

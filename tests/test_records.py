@@ -6,6 +6,7 @@ import io
 import json
 import logging
 import threading
+import time
 from concurrent.futures import Future
 
 import pytest
@@ -25,6 +26,7 @@ from p2p_diloco.network.records import (
     in_phase,
     latest_progress,
 )
+from p2p_diloco.ops import status
 from p2p_diloco.ops.status import format_table, run_status
 
 pytestmark = pytest.mark.swarm
@@ -211,7 +213,7 @@ def test_format_table_shows_each_peers_goodput_and_the_swarm_goodput_of_live_pee
     assert only_stale == "swarm goodput: n/a over 0 live peers (useful compute / allocated peer-time)"
 
 
-def test_status_prints_table_of_live_peers(swarm, capsys):
+def test_status_prints_table_of_live_peers(swarm, capsys, monkeypatch):
     a, b = swarm
     pa, pb = ids(a, b)
     a.publish_progress(progress(pa), wait=True)
@@ -227,7 +229,10 @@ def test_status_prints_table_of_live_peers(swarm, capsys):
     assert out[3].startswith("swarm goodput: n/a over 1 live peers")
 
     empty = NetworkSection(run_id="nobody-here", initial_peers=visible_multiaddrs(a.dht))
+    monkeypatch.setattr(status, "EMPTY_REREAD_S", 2.0)  # read again before saying so (the run may be there)
+    started = time.monotonic()
     assert run_status(empty) == 1
+    assert time.monotonic() - started >= 2.0
     assert "no peer of run 'nobody-here'" in capsys.readouterr().err
 
 

@@ -152,6 +152,30 @@ def test_a_joiner_takes_neither_a_poisoned_state_nor_a_flood_of_donors_nor_forge
         close_leaving_nothing(swarm)
 
 
+def test_a_joiner_refuses_the_forged_state_two_colluding_donors_agree_on(tmp_path: Path) -> None:
+    """Issue 37: two red units serve the same forged state (φ plus noise drawn from the round) two rounds ahead of
+    theirs, so each download corroborates the other; a joiner took it (eval 73.5 while the swarm stood at 6.2). Now it
+    evaluates what it downloaded, refuses a loss over STATE_LOSS_RATIO × the honest units' reported eval losses, and
+    takes the honest donors' state."""
+    swarm = quick_swarm(tmp_path)
+    try:
+        maddr = swarm.bootstrap("bootstrap")
+        for name in HONEST:
+            swarm.unit(name, [maddr])
+        for name in ("red1", "red2"):
+            swarm.unit(name, [maddr], cli=red_team_cli("state-forged-together"))
+        units = (*HONEST, "red1", "red2")
+        swarm.wait_for(lambda: all(len(swarm.rounds(n)) >= 3 for n in units) and all(
+            swarm.events(n, Eval, 0.0)[1:] for n in HONEST), timeout_s=180,
+            what="3 rounds of every unit and an eval of the honest ones after a round")  # fmt: skip
+        swarm.unit("late", [maddr])
+        assert_joined_from_swarm(swarm, "late", donors=HONEST)
+        late_log = (tmp_path / "late" / "stdout.log").read_text()
+        assert "refused: its held-out loss" in late_log, swarm.tail("late", 60)
+    finally:
+        close_leaving_nothing(swarm)
+
+
 def peer_id_in_log(work_dir: Path) -> str | None:
     """The peer id a unit logged when its DHT started, once it did."""
     log = work_dir / "stdout.log"

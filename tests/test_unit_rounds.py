@@ -51,7 +51,7 @@ from p2p_diloco.unit.events import (
     Stop,
 )
 from p2p_diloco.unit.goodput import GoodputLedger
-from p2p_diloco.unit.joining import JoinError, swarm_round
+from p2p_diloco.unit.joining import JoinError, loss_refusal, swarm_round
 from p2p_diloco.unit.unit import LEFT_TTL_S, PROGRESS_TTL_S
 
 
@@ -432,7 +432,7 @@ def test_a_joiner_that_knows_a_unit_came_first_rereads_records_it_could_not_read
     joiner = make_peer("joiner", FakeGroup(), records=records, served=served, outer__outer_momentum=0.0)
     monkeypatch.setattr(joiner.state_server, "declared_rounds", dict)  # the donor records unreadable too
     assert joiner.unit.join(swarm_seen=swarm_seen) == source
-    assert records.reads == (4 if swarm_seen else 1)
+    assert records.reads == (5 if swarm_seen else 1)  # 3 missed, 1 read, 1 to judge the state downloaded
 
 
 def test_a_joiner_says_why_it_starts_from_the_initial_weights_after_another_unit(
@@ -472,6 +472,35 @@ def test_a_units_last_record_outlives_it_for_minutes_and_claims_no_round(make_pe
     records = FakeRecords({"gone": progress("gone", 5, a.unit.loaded.fingerprint).copy(update={"phase": "left"})})
     joiner = make_peer("joiner", FakeGroup(), records=records)
     assert joiner.unit.join() == "initial weights" and joiner.state_server.downloads == 0
+
+
+def test_a_state_whose_loss_no_live_unit_reports_is_refused() -> None:
+    assert loss_refusal(6.5, [6.2, 6.3, 6.1]) is None
+    assert loss_refusal(73.5, []) is None  # nothing to compare with: believed (as before)
+    assert "over 1.5 x the median the live units report (6.2, 3 units)" in (loss_refusal(73.5, [6.2, 6.3, 6.1]) or "")
+    assert loss_refusal(math.nan, [6.2]) is not None
+
+
+@pytest.mark.parametrize("forged", [False, True])
+def test_a_joiner_judges_the_state_two_donors_agree_on_by_its_loss(make_peer: PeerFactory, forged: bool) -> None:
+    """Issue 37: two identities serving the same forged state at a believable round corroborate each other; the joiner
+    evaluates it and compares with the eval losses the other live units' records report."""
+    first = make_peer("first", FakeGroup())
+    honest = first.unit.ranks.evaluate(first.unit.trainer, first.unit.state.global_params, first.unit.evaluator.batches)
+    phi = clone_all(first.unit.state.global_params)
+    if forged:
+        phi = [tensor + 3.0 * torch.randn_like(tensor) for tensor in phi]
+    served = SwarmState(phi, [], [2], 20, 0)
+    fingerprint = first.unit.loaded.fingerprint
+    reports = {name: progress(name, 2, fingerprint).copy(update={"eval_loss": honest}) for name in ("u1", "u2")}
+    joiner = make_peer("joiner", FakeGroup(), records=FakeRecords(reports), served=served,
+                       outer__outer_momentum=0.0, network__join_timeout_s=1.0)  # fmt: skip
+    if forged:
+        with pytest.raises(JoinError, match="states refused: those of donor"):
+            joiner.unit.join()
+        return
+    assert joiner.unit.join() == "swarm"
+    assert joiner.unit._join_loss == pytest.approx(honest, rel=1e-6)  # evaluated once, kept for the join eval
 
 
 def test_join_resumes_a_checkpoint_newer_than_the_swarm(make_peer: PeerFactory) -> None:

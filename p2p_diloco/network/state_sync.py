@@ -36,7 +36,7 @@ import random
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Protocol
 
 import hivemind
@@ -74,6 +74,7 @@ class SwarmState:
     fragment_rounds: list[int]
     inner_step: int
     tokens: int
+    donors: tuple[str, ...] = ()  # the peer ids whose downloads agreed on it (set by StateServer.download)
 
     @property
     def outer_round(self) -> int:
@@ -86,7 +87,7 @@ class StateService(Protocol):
 
     def publish(self, state: SwarmState) -> None: ...
 
-    def download(self, timeout_s: float) -> SwarmState | None: ...
+    def download(self, timeout_s: float, refused: frozenset[str] = frozenset()) -> SwarmState | None: ...
 
     def declared_rounds(self) -> dict[str, int]: ...
 
@@ -232,12 +233,13 @@ class StateServer:
         if self._declaring is not None:
             self._declaring.join()
 
-    def download(self, timeout_s: float) -> SwarmState | None:
+    def download(self, timeout_s: float, refused: frozenset[str] = frozenset()) -> SwarmState | None:
         """A state corroborated by two donors (see the module docstring) within about ``timeout_s``, or None (logged)
-        when there is none yet: no believed donor, no valid download, or downloads that disagree. Never raises for
-        network failures."""
+        when there is none yet: no believed donor, no valid download, or downloads that disagree. The donors in
+        ``refused`` (their state failed the caller's own check) are not asked. The state names the donors whose
+        downloads agreed on it (``donors``). Never raises for network failures."""
         deadline = time.monotonic() + timeout_s
-        failed: set[str] = set()
+        failed: set[str] = set(refused)
         taken: list[tuple[DonorRecord, SwarmState]] = []
         donors = self._believed_donors(failed)
         if not donors:
@@ -252,7 +254,7 @@ class StateServer:
             logger.warning(
                 "state of %s taken uncorroborated: no other donor's could be downloaded", taken[0][0].peer_id
             )
-            return taken[0][1]
+            return replace(taken[0][1], donors=(taken[0][0].peer_id,))
         return state
 
     def _corroborated(self, donors: list[DonorRecord], deadline: float, taken: list[tuple[DonorRecord, SwarmState]],
@@ -271,7 +273,7 @@ class StateServer:
                 if disagreement is None:
                     logger.info("state of %s corroborated by %s (relative distance of φ %.2e)", earlier.peer_id,
                                 donor.peer_id, _relative_gap(earlier_state, state))  # fmt: skip
-                    return earlier_state
+                    return replace(earlier_state, donors=(earlier.peer_id, donor.peer_id))
                 logger.warning("states of %s and %s disagree: %s", earlier.peer_id, donor.peer_id, disagreement)
             taken.append((donor, state))
         return None

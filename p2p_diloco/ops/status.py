@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import sys
 import threading
+import time
 from typing import Literal, TextIO
 
 from p2p_diloco.config import ConfigError, NetworkSection
@@ -20,6 +21,7 @@ from p2p_diloco.network.records import PeerProgress, SwarmRecords, record_valida
 from p2p_diloco.network.relays import CLIENT
 
 STALE_AFTER_S = 60.0  # a peer silent for longer is shown as stale (it publishes every few seconds)
+EMPTY_REREAD_S = 10.0  # how long a one-shot status reads again before it says no peer reported
 PeerState = Literal["live", "stale", "left", "refused"]
 _HEADER = ("peer", "inner step", "outer round", "tokens/s", "loss", "eval loss", "last seen", "group size", "goodput")
 _CLEAR_SCREEN = "\x1b[H\x1b[2J"
@@ -101,7 +103,9 @@ def run_status(
     out: TextIO | None = None,
 ) -> int:
     """Show the progress records of ``network.run_id`` on ``out`` (stdout): a table, or with ``as_json`` one JSON
-    object (:func:`swarm_snapshot`). Once: return 0, or 1 with a one-line message on stderr when no peer reported.
+    object (:func:`swarm_snapshot`). Once: return 0, or 1 with a one-line message on stderr when no peer reported
+    (read again for up to EMPTY_REREAD_S first: under load a fresh client's first read came back empty while the run's
+    records were there, tests/test_red_team.py).
     With ``watch_s``: again every ``watch_s`` seconds until ``stop`` is set (the table redrawn in place on a terminal;
     JSON as one object per line), then return 0. Raises as :class:`SwarmView`."""
     out = out or sys.stdout
@@ -109,6 +113,10 @@ def run_status(
     try:
         if watch_s is None:
             rows = view.read()
+            deadline = time.monotonic() + EMPTY_REREAD_S
+            while not rows and time.monotonic() < deadline:  # a client's first get can miss records that exist
+                time.sleep(1.0)
+                rows = view.read()
             if not rows:
                 print(f"error: no peer of run '{network.run_id}' has reported progress", file=sys.stderr)
                 return 1

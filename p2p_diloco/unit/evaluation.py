@@ -54,7 +54,7 @@ class Evaluator:
         if reason == "outer_round" and not self.ranks.sharded:
             self.running = _Running([tensor.detach().clone() for tensor in phi], outer_round)
         else:
-            self._write(reason, outer_round, self.ranks.evaluate(self.trainer, phi, self.batches))
+            self.record(reason, outer_round, self.ranks.evaluate(self.trainer, phi, self.batches))
 
     def advance(self) -> None:
         """Evaluate the next batches of the spread eval running, if any; its event once every batch was evaluated."""
@@ -66,8 +66,9 @@ class Evaluator:
         running.evaluated += len(chunk)
         if running.evaluated == len(self.batches):
             self.running = None
-            self._write("outer_round", running.outer_round, running.loss_sum / running.evaluated)
+            self.record("outer_round", running.outer_round, running.loss_sum / running.evaluated)
 
-    def _write(self, reason: events.EvalReason, outer_round: int, loss: float) -> None:
+    def record(self, reason: events.EvalReason, outer_round: int, loss: float) -> None:
+        """Write the eval of ``outer_round``'s φ whose loss was ``loss`` (one evaluated already, by the caller)."""
         self.last_loss = loss
         self.metrics.write(events.Eval(reason=reason, outer_round=outer_round, eval_loss=loss))

@@ -14,8 +14,10 @@ otherwise identities that publish nothing but donor records could lure a joiner 
 from __future__ import annotations
 
 import logging
+import math
+import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,7 @@ from p2p_diloco.errors import UserError
 from p2p_diloco.network.members import believed_rounds
 from p2p_diloco.network.records import PeerProgress
 from p2p_diloco.network.state_sync import StateService, SwarmState
+from p2p_diloco.trust import STATE_LOSS_RATIO
 from p2p_diloco.unit import events
 from p2p_diloco.unit.data import DataPosition, TextData
 
@@ -111,13 +114,25 @@ def data_position(checkpoint: dict[str, Any] | None, data: TextData | None) -> D
     return position
 
 
-def download_state(server: StateService, swarm_round: int, timeout_s: float, metrics: events.EventSink) -> SwarmState:
-    """The swarm's state from a live peer, retried until ``timeout_s``; the download is written to ``metrics``.
-    Raises JoinError."""
+def download_state(
+    server: StateService,
+    swarm_round: int,
+    timeout_s: float,
+    metrics: events.EventSink,
+    refusal: Callable[[SwarmState], str | None] = lambda state: None,
+) -> SwarmState:
+    """The swarm's state from a live peer, retried until ``timeout_s``; the download is written to ``metrics``. A state
+    for which ``refusal`` gives a reason is refused (logged) and its donors are not asked again. Raises JoinError."""
     started = time.monotonic()
     deadline = started + timeout_s
+    refused: frozenset[str] = frozenset()
     while time.monotonic() < deadline:
-        state = server.download(timeout_s=max(1.0, deadline - time.monotonic()))
+        state = server.download(timeout_s=max(1.0, deadline - time.monotonic()), refused=refused)
+        why = refusal(state) if state is not None else None
+        if state is not None and why is not None:
+            logger.warning("state of %s refused: %s", " and ".join(state.donors) or "a donor", why)
+            refused |= set(state.donors)
+            continue
         if state is not None:
             seconds = time.monotonic() - started
             donor = dict(donor_inner_step=state.inner_step, donor_tokens=state.tokens)
@@ -125,6 +140,20 @@ def download_state(server: StateService, swarm_round: int, timeout_s: float, met
             logger.info("downloaded swarm state: outer_round=%d seconds=%.2f", state.outer_round, seconds)
             return state
         time.sleep(0.5)
+    also = f" (states refused: those of {', '.join(sorted(refused))})" if refused else ""
     raise JoinError(
-        f"the swarm is at outer round {swarm_round} but no live peer served its state within {timeout_s:.0f} s"
+        f"the swarm is at outer round {swarm_round} but no live peer served its state within {timeout_s:.0f} s{also}"
     )
+
+
+def loss_refusal(loss: float, reported: Sequence[float]) -> str | None:
+    """Why a downloaded state whose held-out loss is ``loss`` is not believed, given the eval losses the live units
+    other than its donors reported (None: believed, or nothing to compare with): a loss over STATE_LOSS_RATIO × their
+    median (trust.py) is a state no live unit trains from."""
+    if not reported:
+        return None
+    median = statistics.median(reported)
+    if math.isfinite(loss) and loss <= STATE_LOSS_RATIO * median:
+        return None
+    return (f"its held-out loss {loss:.4g} is over {STATE_LOSS_RATIO:g} x the median the live units report "
+            f"({median:.4g}, {len(reported)} units)")  # fmt: skip

@@ -52,6 +52,7 @@ from p2p_diloco.unit.joining import (
     data_position,
     donors_round,
     download_state,
+    loss_refusal,
     own_checkpoint,
     swarm_round,
     swarm_round_seen,
@@ -127,6 +128,7 @@ class LearningUnit:
         self.mismatches = MismatchWatch(network.records, config.network.run_id, network.peer_id, loaded.fingerprint,
                                         self.round_settings)  # fmt: skip
         self.inner_step = self.tokens = 0
+        self._join_loss: float | None = None  # the held-out loss of the state taken at join, when it was judged
         self.data_position = DataPosition()  # where the unit's data stream starts (join: from its checkpoint)
         self._stream: TrainingStream | None = None
         self.throughput = Throughput()  # tokens and wall seconds per inner step (the training loop's period)
@@ -172,7 +174,8 @@ class LearningUnit:
         source: events.JoinSource = "initial weights"
         if claimed > max(local_round, 0):
             network = self.config.network
-            state = download_state(self.network.state_server, claimed, network.join_timeout_s, self.metrics)
+            state = download_state(self.network.state_server, claimed, network.join_timeout_s, self.metrics,
+                                   refusal=self._state_refusal)  # fmt: skip
             self.state.load_state(state.global_params, state.momentum, state.fragment_rounds)
             copy_into(self.theta, self.state.global_params)
             source = "swarm"
@@ -188,6 +191,21 @@ class LearningUnit:
                                                        self.trainer.state_dict()))  # fmt: skip
         self._write_replica_probe()
         return source
+
+    def _state_refusal(self, state: SwarmState) -> str | None:
+        """Why a downloaded state is not believed (joining.py ``loss_refusal``): its held-out loss against the eval
+        losses the live units other than its donors report; the loss is kept for the join eval. Not judged without
+        held-out batches, without such reports, or on a sharded unit (its other ranks wait to start)."""
+        if not self.evaluator.batches or self.ranks.sharded:
+            return None
+        live = in_phase(self.network.records.read_progress(), "training", "finishing")
+        others = {peer: record for peer, record in live.items() if peer not in {*state.donors, self.network.peer_id}}
+        reported = [record.eval_loss for record in others.values() if record.eval_loss is not None]
+        if not reported:
+            return None
+        loss = self.ranks.evaluate(self.trainer, state.global_params, self.evaluator.batches)
+        self._join_loss = loss
+        return loss_refusal(loss, reported)
 
     def _claimed_round(self) -> int:
         """The latest round the other units claim in the records readable now (-1: none)."""
@@ -214,7 +232,10 @@ class LearningUnit:
         """Before the first inner step: the join eval and probe, the start of the run's limits, the progress bars."""
         self._started = time.monotonic()
         self._progress = ProgressBars(self.config.run.max_steps, enabled=self.config.run.progress)
-        self._evaluate("join")
+        if self._join_loss is not None:  # the downloaded state's, evaluated when it was judged
+            self.evaluator.record("join", self.outer_round, self._join_loss)
+        else:
+            self._evaluate("join")
         self._write_probe()
 
     def stop_training(self) -> None:
