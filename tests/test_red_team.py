@@ -14,7 +14,7 @@ from test_swarm import assert_joined_from_swarm
 from bench.red_team import FORGED_ROUND, admitted_flags, red_team_cli
 from p2p_diloco.network.dht import ensure_identity
 from p2p_diloco.trust import MAX_ROUND_LEAD
-from p2p_diloco.unit.events import Eval, InnerStep, LocalReset
+from p2p_diloco.unit.events import Eval, InnerStep, Join, LocalReset
 
 pytestmark = pytest.mark.swarm
 
@@ -162,6 +162,7 @@ def test_a_joiner_refuses_the_forged_state_two_colluding_donors_agree_on(tmp_pat
         maddr = swarm.bootstrap("bootstrap")
         for name in HONEST:
             swarm.unit(name, [maddr])
+        swarm.wait_for(lambda: all(swarm.events(n, Join) for n in HONEST), timeout_s=90, what="the honest units' joins")
         for name in ("red1", "red2"):
             swarm.unit(name, [maddr], cli=red_team_cli("state-forged-together"))
         units = (*HONEST, "red1", "red2")
