@@ -419,13 +419,20 @@ class UnreadableAtFirst(FakeRecords):
         return {} if self.reads <= self.unreadable else super().read_progress()
 
 
+@pytest.fixture
+def quick_rereads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A joiner's rereads of unreadable records (joining.py ``swarm_round_seen``) every 10 ms for at most 1 s."""
+    monkeypatch.setattr(joining, "SEEN_RETRY_S", 0.01)
+    monkeypatch.setattr(joining, "SEEN_WAIT_S", 1.0)
+
+
 @pytest.mark.parametrize("swarm_seen, source", [(True, "swarm"), (False, "initial weights")])
+@pytest.mark.usefixtures("quick_rereads")
 def test_a_joiner_that_knows_a_unit_came_first_rereads_records_it_could_not_read(
     make_peer: PeerFactory, monkeypatch: pytest.MonkeyPatch, swarm_seen: bool, source: str
 ) -> None:
     """The third SmolLM2 unit of issue 36 trained from the initial weights while the swarm was at round 2: a joiner
     whose run's model record was published by another unit reads the records again before it believes round 0."""
-    monkeypatch.setattr(joining, "SEEN_RETRY_S", 0.01)
     first = make_peer("first", FakeGroup())
     served = SwarmState(clone_all(first.unit.state.global_params), [], [2], 20, 0)
     records = UnreadableAtFirst({"first": progress("first", 2, first.unit.loaded.fingerprint)}, unreadable=3)
@@ -435,23 +442,21 @@ def test_a_joiner_that_knows_a_unit_came_first_rereads_records_it_could_not_read
     assert records.reads == (5 if swarm_seen else 1)  # 3 missed, 1 read, 1 to judge the state downloaded
 
 
+@pytest.mark.usefixtures("quick_rereads")
 def test_a_joiner_says_why_it_starts_from_the_initial_weights_after_another_unit(
-    make_peer: PeerFactory, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    make_peer: PeerFactory, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(joining, "SEEN_RETRY_S", 0.01)
-    monkeypatch.setattr(joining, "SEEN_WAIT_S", 0.05)
     joiner = make_peer("joiner", FakeGroup())
     with caplog.at_level(logging.WARNING, logger="p2p_diloco"):
         assert joiner.unit.join(swarm_seen=True) == "initial weights"
     assert "another unit joined this run before" in caplog.text
 
 
+@pytest.mark.usefixtures("quick_rereads")
 def test_a_joiner_takes_the_donors_state_when_no_unit_publishes_progress_for_a_while(
-    make_peer: PeerFactory, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+    make_peer: PeerFactory, caplog: pytest.LogCaptureFixture
 ) -> None:
     """Units busy for longer than their progress records live still serve their state (forked state servers)."""
-    monkeypatch.setattr(joining, "SEEN_RETRY_S", 0.01)
-    monkeypatch.setattr(joining, "SEEN_WAIT_S", 0.05)
     first = make_peer("first", FakeGroup())
     served = SwarmState(clone_all(first.unit.state.global_params), [], [2], 20, 0)
     joiner = make_peer("joiner", FakeGroup(), served=served, outer__outer_momentum=0.0)

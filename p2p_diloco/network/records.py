@@ -341,12 +341,7 @@ class SwarmRecords:
 
     def read_progress_soon(self) -> PendingProgress:
         """Start reading the progress records and return at once (a training loop polls the read)."""
-        found: Future = Future()
-        try:
-            found = self.dht.get(self.progress_key, latest=True, return_future=True)
-        except Exception as error:  # reported by the read's poll, like any failed get
-            found.set_exception(error)
-        return PendingRead(found, self.progress_key, latest_progress)
+        return self._read_soon(self.progress_key, latest_progress)
 
     def list_run(self, ttl_s: float = 600) -> None:
         """Say in the directory of runs that this open run has a unit training now (a private run is never listed);
@@ -357,12 +352,16 @@ class SwarmRecords:
 
     def read_runs_soon(self) -> PendingRead[dict[str, RunListing]]:
         """Start reading the directory of runs (the unexpired, well-formed listings by run id); returns at once."""
+        return self._read_soon(RUNS_KEY, _listings)
+
+    def _read_soon(self, key: str, records: Callable[[Any], Read]) -> PendingRead[Read]:
+        """A DHT get of ``key`` begun without waiting, its value turned into ``records`` once polled."""
         found: Future = Future()
         try:
-            found = self.dht.get(RUNS_KEY, latest=True, return_future=True)
-        except Exception as error:  # reported by the read's poll
+            found = self.dht.get(key, latest=True, return_future=True)
+        except Exception as error:  # reported by the read's poll, like any failed get
             found.set_exception(error)
-        return PendingRead(found, RUNS_KEY, _listings)
+        return PendingRead(found, key, records)
 
     def claim_model_fingerprint(self, fingerprint: str, ttl_s: float = 3600) -> ModelClaim:
         """The swarm's model fingerprint: the one already published if any (``earlier``: a unit joined the run before

@@ -196,6 +196,7 @@ class LearningUnit:
         """Why a downloaded state is not believed (joining.py ``loss_refusal``): its held-out loss against the eval
         losses the live units other than its donors report; the loss is kept for the join eval. Not judged without
         held-out batches, without such reports, or on a sharded unit (its other ranks wait to start)."""
+        self._join_loss = None  # a refused state's loss is not the join eval of the state taken next
         if not self.evaluator.batches or self.ranks.sharded:
             return None
         live = in_phase(self.network.records.read_progress(), "training", "finishing")
@@ -209,9 +210,7 @@ class LearningUnit:
 
     def _claimed_round(self) -> int:
         """The latest round the other units claim in the records readable now (-1: none)."""
-        progress = in_phase(
-            self.network.records.read_progress(), "training", "finishing"
-        )  # a unit that left serves no state
+        progress = in_phase(self.network.records.read_progress(), "training", "finishing")  # units that left serve none
         return swarm_round(progress, self.network.state_server.declared_rounds(), self.network.peer_id)
 
     # ----------------------------------------------------------------------------------------- training
