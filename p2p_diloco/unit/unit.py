@@ -194,14 +194,17 @@ class LearningUnit:
 
     def _state_refusal(self, state: SwarmState) -> str | None:
         """Why a downloaded state is not believed (joining.py ``loss_refusal``): its held-out loss against the eval
-        losses the live units other than its donors report; the loss is kept for the join eval. Not judged without
-        held-out batches, without such reports, or on a sharded unit (its other ranks wait to start)."""
+        losses the live units other than its donors report at rounds up to the state's (a unit ahead evaluated a later
+        φ: early in a run the loss falls fast, and an honest joiner refused three honest states once in CI); the loss
+        is kept for the join eval. Not judged without held-out batches, without such reports, or on a sharded unit
+        (its other ranks wait to start)."""
         self._join_loss = None  # a refused state's loss is not the join eval of the state taken next
         if not self.evaluator.batches or self.ranks.sharded:
             return None
         live = in_phase(self.network.records.read_progress(), "training", "finishing")
-        others = {peer: record for peer, record in live.items() if peer not in {*state.donors, self.network.peer_id}}
-        reported = [record.eval_loss for record in others.values() if record.eval_loss is not None]
+        others = [record for peer, record in live.items() if peer not in {*state.donors, self.network.peer_id}]
+        reported = [record.eval_loss for record in others
+                    if record.eval_loss is not None and record.outer_round <= state.outer_round]  # fmt: skip
         if not reported:
             return None
         loss = self.ranks.evaluate(self.trainer, state.global_params, self.evaluator.batches)
