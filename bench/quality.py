@@ -217,6 +217,7 @@ class LocalAverager:
         tag: str = "",
         period_s: float = 0.0,
         group: GroupRequest = GroupRequest(),
+        reference: Sequence[torch.Tensor] | None = None,
     ) -> bool:
         check_round_request(self._in_flight, self.shapes, proposal, weight)
         self._in_flight = True

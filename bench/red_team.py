@@ -77,6 +77,22 @@ def _thousandfold_average(*args: Any, **kwargs: Any) -> BoundedMean:
     return replace(result, value=1000 * result.value)
 
 
+def _flip_steps() -> None:
+    """Every fragment round this process begins sends its step from the round's reference flipped, of honest length:
+    ``2r − p`` for payload ``p`` and reference ``r`` (the payload of a unit that trained nothing since φ), so its
+    proposal pulls φ back as far as an honest one pushes it forward. Rounds without a reference are left honest."""
+    honest_begin = OuterAverager.begin_round
+
+    @functools.wraps(honest_begin)
+    def begin_round(self: OuterAverager, proposal: Sequence[torch.Tensor], *args: Any, **kwargs: Any) -> bool:
+        reference = kwargs.get("reference")  # the round engine passes it by name
+        if reference is not None:
+            proposal = [2 * still - sent for sent, still in zip(proposal, reference)]
+        return honest_begin(self, proposal, *args, **kwargs)
+
+    OuterAverager.begin_round = begin_round  # type: ignore[method-assign]
+
+
 def _reduce_thousandfold() -> None:
     """As a reducer, this process returns 1000 × the average of its slice to every member."""
     reducer.bounded_mean = _thousandfold_average
@@ -162,6 +178,7 @@ def _forge_progress_records() -> None:
 
 
 OTHER_REWRITES: dict[str, Callable[[], None]] = {
+    "step-flip": _flip_steps,
     "reducer-x1000": _reduce_thousandfold,
     "state-far-ahead": _serve_poisoned_state,
     "state-forged-together": _serve_forged_state_together,

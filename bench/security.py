@@ -9,6 +9,7 @@ largest relative distance between their final φ, and how often their logs name 
 
 from __future__ import annotations
 
+import re
 import statistics
 import time
 from dataclasses import dataclass
@@ -21,16 +22,27 @@ from bench.swarm import Swarm
 from p2p_diloco.consensus import pairwise_distances
 from p2p_diloco.network.dht import ensure_identity
 from p2p_diloco.ops.launcher import CLI
-from p2p_diloco.unit.events import ConsensusRound, Eval, InnerStep, OuterRound, OuterRoundFailed, Stop, read_events
+from p2p_diloco.unit.events import (
+    ConsensusRound,
+    Eval,
+    InnerStep,
+    Join,
+    OuterRound,
+    OuterRoundFailed,
+    Stop,
+    read_events,
+)
 
 RUN_ID = "security"
 UNIT_FLAGS = ("--seq-len", "64", "--batch-size", "4", "--inner-steps", "10", "--join-timeout-s", "60",
               "--eval-every-rounds", "5")  # fmt: skip
+DIRECTION_LOG = ("--log-level", "DEBUG")  # every member's step agreement is a DEBUG line (gated.py)
+AGREEMENT = re.compile(r"member (\S+)(?: offended)?: .*its step's agreement with this unit's ([+-]\d+\.\d+)")
 NON_MEMBER = "non-member"
 HONEST_ONLY = "honest-only"
-VARIANTS = (HONEST_ONLY, "payload-nan", "payload-x1000", "payload-noise", "pseudo-gradient-flip-x3", "weight-x1000",
-            "gather-garbage", "gather-far-ahead", "reducer-x1000", "state-far-ahead", "donor-flood", "record-forgery",
-            NON_MEMBER)  # fmt: skip
+VARIANTS = (HONEST_ONLY, "payload-nan", "payload-x1000", "payload-noise", "step-flip",
+            "pseudo-gradient-flip-x3", "weight-x1000", "gather-garbage", "gather-far-ahead", "reducer-x1000",
+            "state-far-ahead", "donor-flood", "record-forgery", NON_MEMBER)  # fmt: skip
 DEFENCES = {  # what a defence's log line says
     "not believed": "not believed",
     "offended": "offended:",
@@ -53,7 +65,7 @@ class SecuritySpec:
 def run_variant(spec: SecuritySpec, root: Path, identities: Path) -> dict[str, Any]:
     """Run one variant under ``root`` (identities and the run key are kept in ``identities``) and measure it."""
     private = spec.variant == NON_MEMBER
-    swarm = Swarm(root, run_id=RUN_ID, unit_flags=(*UNIT_FLAGS, "--max-steps", str(spec.max_steps)))
+    swarm = Swarm(root, run_id=RUN_ID, unit_flags=(*UNIT_FLAGS, "--max-steps", str(spec.max_steps), *DIRECTION_LOG))
     honest = [f"unit{index}" for index in range(spec.honest)]
     started = time.time()
     try:
@@ -83,7 +95,8 @@ def measure(spec: SecuritySpec, root: Path, honest: list[str], exits: dict[str, 
         evals = [event for event in read_events(root / name / "metrics.jsonl", Eval) if event.reason == "final"]
         finals[name] = evals[-1].eval_loss if evals and evals[-1].eval_loss is not None else None
     vectors = [vector for vector in (_final_phi(root / name) for name in honest) if vector is not None]
-    logs = "\n".join((root / name / "stdout.log").read_text() for name in honest)
+    lines = [line for name in honest for line in (root / name / "stdout.log").read_text().splitlines()]
+    logs = "\n".join(line for line in lines if " DEBUG " not in line)
     rounds = [event for name in honest for event in read_events(root / name / "metrics.jsonl", OuterRound)]
     merged = [event for event in rounds if event.group_size > 1]
     failed = [event for name in honest for event in read_events(root / name / "metrics.jsonl", OuterRoundFailed)]
@@ -102,7 +115,27 @@ def measure(spec: SecuritySpec, root: Path, honest: list[str], exits: dict[str, 
         "mean_group": statistics.fmean(event.group_size for event in merged) if merged else None,
         "rounds_failed": len(failed),
         "defences": {name: logs.count(text) for name, text in DEFENCES.items()},
+        "directions": directions(lines, _red_peer_id(root)),
     }
+
+
+def _red_peer_id(root: Path) -> str | None:
+    joins = read_events(root / "red" / "metrics.jsonl", Join) if (root / "red" / "metrics.jsonl").exists() else []
+    return joins[-1].peer_id if joins else None
+
+
+def directions(lines: list[str], red: str | None) -> dict[str, Any]:
+    """The honest units' judgement of directions: every member's step agreement with theirs, by honest and red
+    members, and how many of their log lines said a member's steps pull against theirs."""
+    agreements: dict[str, list[float]] = {"honest": [], "red": []}
+    pulling = {"honest": 0, "red": 0}
+    for line in lines:
+        found = AGREEMENT.search(line)
+        if found:
+            who = "red" if found.group(1) == red else "honest"
+            agreements[who].append(float(found.group(2)))
+            pulling[who] += "pull against" in line
+    return {"agreements": agreements, "pulling": pulling}
 
 
 def baseline_eval(results: list[dict[str, Any]]) -> float | None:
@@ -127,7 +160,32 @@ def markdown(results: list[dict[str, Any]], command: str, environment: str) -> s
         lines.append(f"| {r['variant']} | {_fmt(mean)} | {gap} | {_fmt(r['final_eval_spread'])} | "
                      f"{_fmt(r['final_max_distance'], '.1e')} | {_fmt(r['mean_group'], '.2f')} | "
                      f"{r['rounds_failed']} | {defences} | {sorted(r['exit_codes'].values())} |")  # fmt: skip
-    return "\n".join(lines) + "\n"
+    return "\n".join([*lines, "", *direction_table(results)]) + "\n"
+
+
+def direction_table(results: list[dict[str, Any]]) -> list[str]:
+    """Every variant's step agreements (each member's step against each honest unit's own, one per member and round
+    of an honest unit's slice) and the lines that judged a member's steps as pulling against the unit's."""
+    lines = ["Directions: each member's step against each honest unit's own over the unit's slice (cosine; one "
+             "value per member, round and honest unit), and the log lines that judged a member's steps to pull "
+             "against the unit's (mean under AGREEMENT_FLOOR over its last judged rounds).", "",
+             "| variant | honest members' rounds | min / median / max | red member's rounds | min / median / max | "
+             "judged pulling: honest / red |", "|---|---|---|---|---|---|"]  # fmt: skip
+    for r in results:
+        found = r.get("directions")
+        if not found:
+            continue
+        honest, red = found["agreements"]["honest"], found["agreements"]["red"]
+        pulling = found["pulling"]
+        lines.append(f"| {r['variant']} | {len(honest)} | {_spread(honest)} | {len(red)} | {_spread(red)} | "
+                     f"{pulling['honest']} / {pulling['red']} |")  # fmt: skip
+    return lines
+
+
+def _spread(values: list[float]) -> str:
+    if not values:
+        return "n/a"
+    return f"{min(values):+.2f} / {statistics.median(values):+.2f} / {max(values):+.2f}"
 
 
 def _fmt(value: float | None, spec: str = ".4f") -> str:

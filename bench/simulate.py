@@ -177,7 +177,8 @@ class SimAverager:
 
     def begin_round(self, proposal: Sequence[torch.Tensor], weight: float, outer_round: int, window_s: float,
                     probe: Sequence[float] = (), tag: str = "", period_s: float = 0.0,
-                    group: GroupRequest = GroupRequest()) -> bool:  # fmt: skip
+                    group: GroupRequest = GroupRequest(),
+                    reference: Sequence[torch.Tensor] | None = None) -> bool:  # fmt: skip
         check_round_request(self.in_flight, self.shapes, proposal, weight)
         self.in_flight = True
         entry = _Waiting(self.matchmaker.now + window_s, next(self.matchmaker._order), self,

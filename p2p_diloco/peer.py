@@ -211,6 +211,7 @@ def _averagers(
             allreduce_timeout_s=plan.group.allreduce_timeout_s,
             compression=hivemind_compression(codec),
             gate=gate,
+            directed=True,
         )
         owned.callback(averager.shutdown)
         averagers.append(averager)

@@ -13,6 +13,11 @@ the parts of one slice so that one member's part has bounded influence, whatever
    other deviation is scaled down to at most the radius;
 4. the result is ``c`` plus the capped-weight mean of the clipped deviations of the parts not dropped.
 
+Given a ``reference`` (the payload of a member that trained nothing since φ: rounds/kinds.py), it also returns the
+Gram matrix of the parts' steps ``x − r``, from which the reducer judges a member's direction over its whole slice
+(network/reducer.py): a flipped step of honest length deviates from ``c`` little more than an honest one, but points
+away from the honest steps.
+
 With honest parts this is the weighted mean (up to the rare clipped or capped part). With two members nothing tells
 which one is wrong: their deviations from the median are equal, so the rule is the plain mean; with three or more a
 single member moves the result by at most about its capped weight share × ``clip`` × the typical deviation, and one
@@ -44,6 +49,7 @@ class BoundedMean:
     excess: tuple[float, ...] = ()  # per input: its deviation norm over the clipping radius (0 for invalid parts)
     deviation: tuple[float, ...] = ()  # per input: the norm of its deviation from the median (0 for invalid parts)
     center_norm: float = 0.0  # the norm of the coordinate-wise median of the kept parts
+    step_gram: torch.Tensor | None = None  # with a reference r: <x_i − r, x_j − r> in float64 (0 for invalid inputs)
 
     @property
     def relative(self) -> tuple[float, ...]:
@@ -57,9 +63,11 @@ def bounded_mean(
     clip: float = CLIP_FACTOR,
     drop: float = DROP_FACTOR,
     weight_cap: float = WEIGHT_CAP,
+    reference: torch.Tensor | None = None,
 ) -> BoundedMean:
-    """The bounded weighted mean of ``parts`` (same shapes) by ``weights`` (see the module docstring). When every part
-    is dropped, the value is all NaN (the caller's non-finite check rejects the round)."""
+    """The bounded weighted mean of ``parts`` (same shapes) by ``weights`` (see the module docstring), with each part's
+    step measured from ``reference`` when one is given. When every part is dropped, the value is all NaN (the
+    caller's non-finite check rejects the round)."""
     if len(parts) != len(weights) or not parts:
         raise ValueError("need as many weights as parts, and at least one part")
     every = torch.stack([part.float() for part in parts])
@@ -96,7 +104,21 @@ def bounded_mean(
         excess=tuple(excess),
         deviation=tuple(deviation),
         center_norm=center_norm,
+        step_gram=_step_gram(stacked, reference, kept, len(parts)),
     )
+
+
+def _step_gram(
+    stacked: torch.Tensor, reference: torch.Tensor | None, kept: list[int], count: int
+) -> torch.Tensor | None:
+    """BoundedMean's ``step_gram`` (None without a reference), in float64."""
+    if reference is None:
+        return None
+    steps = (stacked.flatten(1) - reference.float().flatten()).double()
+    rows = torch.tensor(kept)
+    gram = torch.zeros(count, count, dtype=torch.float64)
+    gram[rows[:, None], rows[None, :]] = steps @ steps.T
+    return gram
 
 
 def _ratio(value: float, scale: float) -> float:

@@ -118,6 +118,18 @@ class FragmentRounds:
             return phi + (moment if self._synced else []) + directions + [norms], own_momentum, own_step
         return params_proposal + (momentum_proposal if self._synced else []), own_momentum, own_step
 
+    def reference(self, global_params: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor],
+                  hyper: OuterHyperparams) -> Tensors:  # fmt: skip
+        """The payload of a unit that trained nothing since φ_p (Δ_p = 0), from which members' steps are measured:
+        zeros for pseudo-gradients; for proposals, the outer step on a zero Δ_p (with RDA, zero directions)."""
+        phi, moment = copies(global_params, self.fragment), _momentum_copies(momentum, self.fragment)
+        if self.payload_kind is Payload.PSEUDO_GRADIENT:
+            return [torch.zeros_like(piece) for piece in phi]
+        if self.radial is not None:
+            return self.mix_payload(phi, moment)
+        params_still, momentum_still = outer_step(phi, moment, [torch.zeros_like(piece) for piece in phi], hyper)
+        return params_still + (momentum_still if self._synced else [])
+
     @property
     def _synced(self) -> bool:
         return self.payload_kind is Payload.PROPOSAL_WITH_MOMENTUM

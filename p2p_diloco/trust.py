@@ -14,6 +14,9 @@ RADIUS_FLOOR = 1e-6  # the clipping radius is at least this fraction of the medi
 WEIGHT_CAP = 2.0  # a claimed weight is capped at this many times the lower median weight
 # ---- judging members (network/reducer.py, network/gated.py)
 OFFENCE_RELATIVE = 10.0  # an offence: a part deviating, or an average returned, beyond this many times the reference
+AGREEMENT_FLOOR = 0.0  # an offence: a member whose steps' mean cosine with this unit's steps is below this ...
+DIRECTION_ROUNDS = 3  # ... over its last OFFENCE_WINDOW judged rounds, once at least this many were judged
+DIRECTED_STEP_SHARE = 0.1  # a step is judged by direction only at this fraction of the median step's norm or more
 MAX_OFFENCES = 3  # offences in a member's last OFFENCE_WINDOW rounds with an averager that get it refused
 OFFENCE_WINDOW = 6
 # ---- after a round (rounds/kinds.py)
@@ -73,6 +76,27 @@ THRESHOLDS = (
         "honest units)",
         "tests/test_averaging.py (offence rule over a whole slice: an honest member of more steps than the others in a "
         "swarm's first round is none; reducer replaced then refused); results/security: reducer ×1000 −1.09%",
+    ),
+    Threshold(
+        "AGREEMENT_FLOOR",
+        AGREEMENT_FLOOR,
+        "a member sending its step flipped at honest length (inside every bound on size): its steps' mean cosine "
+        "with this unit's over its last OFFENCE_WINDOW judged rounds falls below this, an offence every round after",
+        "results/security/security.md (directions table); tests/test_averaging.py, tests/test_red_team.py (step-flip)",
+    ),
+    Threshold(
+        "DIRECTION_ROUNDS",
+        DIRECTION_ROUNDS,
+        "one round's cosine is noise on small batches (honest rounds down to -0.08): a member is judged by direction "
+        "only once this many of its rounds were",
+        "tests/test_averaging.py (StepDirections); results/security/security.md (directions table)",
+    ),
+    Threshold(
+        "DIRECTED_STEP_SHARE",
+        DIRECTED_STEP_SHARE,
+        "none: it keeps a unit that trained a few steps since its round (a final round at exit) from being judged by "
+        "the direction of a step of noise (+0.00 once, before the rule)",
+        "tests/test_averaging.py (a step a twentieth as long is not judged)",
     ),
     Threshold(
         "MAX_OFFENCES",

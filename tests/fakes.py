@@ -144,6 +144,7 @@ class FakeAverager:
         tag: str = "",
         period_s: float = 0.0,
         group: GroupRequest = GroupRequest(),
+        reference: Sequence[torch.Tensor] | None = None,
     ) -> bool:
         check_round_request(self._in_flight, self.shapes, proposal, weight)
         call, self.calls = self.calls, self.calls + 1

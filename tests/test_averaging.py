@@ -22,13 +22,13 @@ from swarms import record_peers
 from p2p_diloco.network import reducer
 from p2p_diloco.network.averaging import STUCK_MARGIN_S, TENSOR_LOCK_WAIT_S, OuterAverager
 from p2p_diloco.network.dht import stop_dht
-from p2p_diloco.network.gated import GatedAverager, with_hinted_leaders
+from p2p_diloco.network.gated import GatedAverager, StepDirections, with_hinted_leaders
 from p2p_diloco.network.membership import MemberGate
 from p2p_diloco.network.reducer import SenderVerdict
 from p2p_diloco.robust import BoundedMean, bounded_mean
 from p2p_diloco.rounds.averager import GroupRequest, RoundOutcome
 from p2p_diloco.rounds.grid import SPACING_S, Leader
-from p2p_diloco.trust import MAX_OFFENCES, OFFENCE_RELATIVE, OFFENCE_WINDOW
+from p2p_diloco.trust import DIRECTION_ROUNDS, MAX_OFFENCES, OFFENCE_RELATIVE, OFFENCE_WINDOW
 
 PEERS = (
     "QmThfFo7CortpE8Toa1uKgQUkjEbTgJKg6GQCr9gcWXAkW",
@@ -215,17 +215,25 @@ def test_an_offence_is_an_invalid_part_or_one_over_offence_relative_and_a_far_pa
              (False, True, OFFENCE_RELATIVE + 1): True, (False, False, OFFENCE_RELATIVE + 1): True}  # fmt: skip
     for (invalid, far, relative), offended in cases.items():
         verdict = SenderVerdict()
-        verdict.add(invalid, far, clipped=False, capped=False, excess=5.0, deviation=relative, median_norm=1.0)
+        result = BoundedMean(torch.zeros(1), invalid=(0,) * invalid, far=(0,) * far, excess=(5.0,),
+                             deviation=(relative,), center_norm=1.0)  # fmt: skip
+        verdict.add(result, 0)
         assert verdict.offended is offended, (invalid, far, relative)
 
 
-def reduce_slice(slices: list[list[torch.Tensor]], weights: list[float]) -> list[SenderVerdict]:
+def reduce_slice(
+    slices: list[list[torch.Tensor]],
+    weights: list[float],
+    references: list[torch.Tensor] | None = None,
+    own_sender: int | None = None,
+) -> list[SenderVerdict]:
     """The verdicts of hivemind's reducer of one slice as this project replaces it (reducer.py), each sender's parts
     arriving as hivemind's all-reduce delivers them."""
     finished: list[list[SenderVerdict]] = []
 
     async def everyone() -> None:  # the reducer's futures belong to the loop it is made in
-        part_reducer = reducer.BoundedPartReducer([part.shape for part in slices[0]], len(slices), finished.append)
+        shapes = [part.shape for part in slices[0]]
+        part_reducer = reducer.BoundedPartReducer(shapes, len(slices), finished.append, references, own_sender)
 
         async def send(sender: int) -> None:
             for index, part in enumerate(slices[sender]):
@@ -236,6 +244,47 @@ def reduce_slice(slices: list[list[torch.Tensor]], weights: list[float]) -> list
 
     asyncio.run(everyone())
     return finished[0]
+
+
+def test_each_members_step_is_compared_with_this_units_own_over_the_slice() -> None:
+    """Members' steps from the reference (φ) share a direction plus their own noise of the same size (cosine 0.5
+    between two); one member sends its step flipped, of honest length, another noise of the steps' size, another a
+    step a twentieth as long (a unit one step into its round). Compared with this unit's step (sender 0): the honest
+    ones agree about +0.5, the flipped one about -0.5, the noisy one about 0, the short one is not judged; none of it
+    is an offence in one round (that is judged over rounds: StepDirections)."""
+    generator = torch.Generator().manual_seed(0)
+    size, parts = 4096, 3
+    reference = [torch.randn(size, generator=generator) for _ in range(parts)]
+    shared = [torch.randn(size, generator=generator) for _ in range(parts)]
+
+    def step(scale: float = 0.01) -> list[torch.Tensor]:
+        return [scale * (common + torch.randn(size, generator=generator)) for common in shared]
+
+    honest = [[r + s for r, s in zip(reference, step())] for _ in range(3)]
+    flipped = [r - s for r, s in zip(reference, step())]
+    noise = [r + 0.01 * 2**0.5 * torch.randn(size, generator=generator) for r in reference]
+    short = [r + s for r, s in zip(reference, step(0.0005))]
+    verdicts = reduce_slice([*honest, flipped, noise, short], [1.0] * 6, reference, own_sender=0)
+    agreements = [verdict.agreement for verdict in verdicts]
+    assert agreements[0] is None and agreements[5] is None, agreements
+    assert all(0.4 < a < 0.6 for a in agreements[1:3]) and -0.6 < agreements[3] < -0.4, agreements
+    assert abs(agreements[4]) < 0.05 and not any(verdict.offended for verdict in verdicts), agreements
+    assert "its step's agreement with this unit's -0." in verdicts[3].summary()
+    assert all(v.agreement is None for v in reduce_slice(honest, [1.0] * 3, own_sender=0)), "no reference, no judgement"
+
+
+def test_a_member_pulls_against_this_unit_once_its_mean_agreement_over_rounds_is_negative() -> None:
+    """StepDirections: a member is judged once DIRECTION_ROUNDS of its rounds were; an honest member's noisy rounds
+    (one at -0.5) keep a positive mean; a flipped one's is negative; rounds not judged neither count nor offend."""
+    directions = StepDirections()
+    honest = [0.2, -0.5, 0.3, 0.25, 0.1, 0.2, -0.15, 0.3]
+    assert [directions.judge("honest", a) for a in honest] == [None] * len(honest)
+    flipped = [directions.judge("flipped", a) for a in (-0.3, None, -0.2, -0.4, 0.1)]
+    assert flipped[:3] == [None, None, None] and "mean agreement -0.30 over its last 3 rounds" in (flipped[3] or "")
+    assert "mean agreement -0.20 over its last 4 rounds" in (flipped[4] or "")
+    history = StepDirections()
+    assert [history.judge("x", a) for a in (-0.3,) * (DIRECTION_ROUNDS - 1)] == [None] * (DIRECTION_ROUNDS - 1)
+    assert history.judge("x", None) is None and history.judge("x", -0.3) is not None
 
 
 def test_a_member_that_made_more_steps_is_no_offender_where_the_median_of_a_part_is_near_zero() -> None:
@@ -322,7 +371,7 @@ def test_a_pair_with_a_member_that_offended_in_its_window_is_left() -> None:
     """The pair rule of ``GatedAverager._aggregate_with_group``: a group of two whose other member offended in any of
     its last OFFENCE_WINDOW rounds is left (a pair cannot bound its part); a larger group, or a member whose offences
     are older than that, is kept."""
-    judge = SimpleNamespace(gate=MemberGate.everyone(), _offences={})
+    judge = SimpleNamespace(gate=MemberGate.everyone(), _offences={}, _directions=StepDirections())
     GatedAverager._judge(judge, {"QmNoisy": SenderVerdict(parts=3, invalid=3, dropped=3)})  # type: ignore[arg-type]
     assert GatedAverager._pairs_with_an_offender(judge, ["QmNoisy"])  # type: ignore[arg-type,list-item]
     assert not GatedAverager._pairs_with_an_offender(judge, ["QmNoisy", "QmOther"])  # type: ignore[arg-type,list-item]
@@ -352,7 +401,7 @@ def test_a_member_is_refused_after_max_offences_in_its_window_and_only_then() ->
     """The policy of ``GatedAverager._judge``: clipped or capped parts are logged only; a member that offended
     (parts dropped as invalid or far off, implausible averages) is refused once MAX_OFFENCES of its last
     OFFENCE_WINDOW rounds were offences, and never for offences further apart than that."""
-    judge = SimpleNamespace(gate=MemberGate.everyone(), _offences={})
+    judge = SimpleNamespace(gate=MemberGate.everyone(), _offences={}, _directions=StepDirections())
     mild = SenderVerdict(parts=3, clipped=2, capped=1)
     offending = SenderVerdict(parts=3, invalid=1, dropped=1)
     for _ in range(MAX_OFFENCES + 2):
@@ -415,3 +464,29 @@ def test_hinted_leaders_add_to_what_the_dht_shows() -> None:
     first, second, third = (PeerID.from_base58(peer) for peer in PEERS)
     assert with_hinted_leaders([(first, 10.0)], [(first, 9.0), (second, 9.5)]) == [(first, 10.0), (second, 9.5)]
     assert with_hinted_leaders([], [(third, 1.0)]) == [(third, 1.0)]
+
+
+@pytest.mark.swarm
+def test_a_unit_the_layout_places_in_another_group_is_refused_as_a_leader_follower_or_groupmate() -> None:
+    """Three averagers under one group key; the round's layout places the first two in one group and the third in
+    another, but the third asks for theirs all the same (an identity declaring the key of a group it was not drawn
+    into) and enforces nothing: the first two average together, never with it, and it ends alone."""
+    size = 64
+    with record_peers(3) as peers:
+        ids = [str(peer.dht.peer_id) for peer in peers]
+        averagers = [OuterAverager(peer.dht, "layout", [torch.zeros(size)], quorum=1, target_group_size=3,
+                                   allreduce_timeout_s=10) for peer in peers]  # fmt: skip
+        drawn = GroupRequest(members=(ids[0], ids[1]), placed=tuple(ids))
+        try:
+            for number in range(2):
+                for averager, group, value in zip(averagers, (drawn, drawn, GroupRequest()), (0.0, 1.0, 100.0)):
+                    assert averager.begin_round([torch.full((size,), value)], weight=1.0, outer_round=number,
+                                                window_s=3.0, group=group)  # fmt: skip
+                outcomes = [averager.finish_round(timeout_s=30.0) for averager in averagers]
+                for outcome in outcomes[:2]:
+                    assert outcome is not None and outcome.averaged is not None and outcome.group_size == 2, outcome
+                    assert torch.allclose(outcome.averaged[0], torch.full((size,), 0.5))
+                assert outcomes[2] is None or outcomes[2].group_size == 1, outcomes[2]
+        finally:
+            for averager in averagers:
+                averager.shutdown()

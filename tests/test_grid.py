@@ -161,3 +161,27 @@ def test_a_unit_asks_the_units_scheduled_before_it_in_its_row_and_column_to_lead
                    for leader in cell.column_leaders)  # fmt: skip
     leaders = [cell for cell in cells.values() if cell.place == 0]
     assert all(not cell.row_leaders for cell in leaders) and len(leaders) == leaders[0].rows
+
+
+def test_each_unit_sees_the_same_row_and_column_members_as_the_units_placed_there() -> None:
+    census = [f"unit-{index}" for index in range(11)]
+    for salt in ("0@1.000", "0@2.000", "1@2.000"):
+        cells = {peer: grid_cell(census, peer, salt, target=4) for peer in census}
+        for peer, cell in cells.items():
+            assert peer in cell.row_members and peer in cell.column_members
+            assert set(cell.row_members) == {other for other in census if cells[other].row == cell.row}
+            assert set(cell.column_members) == {other for other in census if cells[other].column == cell.column}
+
+
+@pytest.mark.parametrize("colluders, together", [(2, 3 / 15), (3, 3 / 15 * 2 / 14)])
+def test_colluding_identities_share_a_row_no_more_often_than_chance(colluders: int, together: float) -> None:
+    """16 units in rows of 4, drawn anew each round from (round, peer id): 2 colluders share a row in 3/15 of the
+    rounds (never a majority of its 4), 3 in 3/15 × 2/14 (a majority: 2.9% of the rounds), as for a uniform draw."""
+    census = [f"unit-{index}" for index in range(16)]
+    rounds = 4000
+    shared = 0
+    for boundary in range(rounds):
+        rows = {grid_cell(census, peer, f"0@{boundary}.000", target=4).row for peer in census[:colluders]}
+        shared += len(rows) == 1
+    spread = 4 * (together * (1 - together) / rounds) ** 0.5  # four standard deviations of the binomial frequency
+    assert abs(shared / rounds - together) < spread, (shared / rounds, together)

@@ -8,9 +8,10 @@ import torch
 from fakes import FakeGroup, FaultPlan, clone_all
 from unit_peers import TOKENS_PER_STEP, Peer, PeerFactory, inner_step, maybe_begin, poll, sent_round
 
-from p2p_diloco.diloco import merge_local_progress, outer_step, pseudo_gradient, weighted_average
-from p2p_diloco.fragments import copies
+from p2p_diloco.diloco import OuterHyperparams, merge_local_progress, outer_step, pseudo_gradient, weighted_average
+from p2p_diloco.fragments import copies, partition
 from p2p_diloco.network.compression import roundtrip
+from p2p_diloco.streaming import FragmentRounds, Payload
 from p2p_diloco.unit.events import ConsensusRound, OuterRound
 
 STREAMING = dict(outer__fragments=2, outer__inner_steps=2, outer__max_in_flight=2)
@@ -160,3 +161,25 @@ def test_unit_never_has_more_rounds_in_flight_than_configured(make_peer: PeerFac
         assert len(a.unit.engine.in_flight) <= 1
     assert sum(len(averager.begun) for averager in a.averagers) == 1
     assert a.unit.state.fragments[1].steps_since_round >= 4  # due, but waiting for a free slot
+
+
+@pytest.mark.parametrize("kind", list(Payload))
+def test_a_payload_minus_its_reference_is_the_step_on_its_pseudo_gradient_alone(kind: Payload) -> None:
+    """The reference a round judges members' directions from (the payload of a unit that trained nothing): a
+    proposal minus it is −lr·(1 + μ)·Δ with Nesterov (its momentum part, when synced, +Δ); a pseudo-gradient's is 0."""
+    generator = torch.Generator().manual_seed(0)
+    phi = [torch.randn(3, 4, generator=generator), torch.randn(5, generator=generator)]
+    momentum = [torch.randn_like(tensor) for tensor in phi]
+    local = [tensor - 0.1 * torch.randn(tensor.shape, generator=generator) for tensor in phi]
+    hyper = OuterHyperparams(lr=0.7, momentum=0.9, nesterov=True)
+    rounds = FragmentRounds(partition([tensor.shape for tensor in phi], 1)[0], 1.0, kind)
+    payload, _, _ = rounds.payload(phi, momentum, local, hyper)
+    reference = rounds.reference(phi, momentum, hyper)
+    delta = pseudo_gradient(phi, local)
+    steps = [sent - still for sent, still in zip(payload, reference)]
+    expected = delta if kind is Payload.PSEUDO_GRADIENT else [-0.7 * 1.9 * piece for piece in delta]
+    if kind is Payload.PROPOSAL_WITH_MOMENTUM:
+        expected = expected + delta
+    assert len(steps) == len(expected)
+    for step, piece in zip(steps, expected):
+        torch.testing.assert_close(step, piece)

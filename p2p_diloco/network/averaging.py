@@ -51,6 +51,7 @@ from p2p_diloco.diloco import probe_drift
 from p2p_diloco.network.gated import GatedAverager
 from p2p_diloco.network.members import MemberInfo, read_member
 from p2p_diloco.network.membership import MemberGate
+from p2p_diloco.network.reducer import RoundReference
 from p2p_diloco.rounds.averager import GroupRequest, RoundOutcome, check_round_request
 
 logger = logging.getLogger(__name__)
@@ -96,15 +97,18 @@ class OuterAverager:
         request_timeout_s: float = 1.0,
         compression: CompressionBase | None = None,
         gate: MemberGate | None = None,
+        directed: bool = False,
     ):
         gate = gate if gate is not None else MemberGate.everyone()
         self.quorum = quorum
         self._shapes = [tuple(tensor.shape) for tensor in template]
         self._stuck_after_s = allreduce_timeout_s + STUCK_MARGIN_S
         buffers = [torch.zeros_like(tensor, dtype=torch.float32, device="cpu") for tensor in template]
+        self._reference = RoundReference(template) if directed else None
         self._new_averager = functools.partial(  # a restarted averager takes over the same (shared) buffers
             GatedAverager,
             gate=gate,
+            reference=self._reference,
             averaged_tensors=buffers,
             dht=dht,
             start=True,
@@ -126,6 +130,7 @@ class OuterAverager:
         self._lock_busy_since: float | None = None
         self._subgroup_dirty = False  # the averager's group bits may differ from "" (set for a subgroup round)
         self._leaders_hinted = False  # the averager process holds leaders of the last round (set_leaders)
+        self._layout_set = False  # ... and a layout (set_layout)
 
     def begin_round(
         self,
@@ -137,6 +142,7 @@ class OuterAverager:
         tag: str = "",
         period_s: float = 0.0,
         group: GroupRequest = GroupRequest(),
+        reference: Sequence[torch.Tensor] | None = None,
     ) -> bool:
         """Start averaging ``proposal`` (weighted by ``weight`` > 0) in the background; returns at once.
 
@@ -146,7 +152,10 @@ class OuterAverager:
         group key ``prefix.0b<subgroup>``: only units of the same subgroup meet. hivemind rewrites non-empty group
         bits after every group it assembles, so they are set again before every round. ``group.size`` (0: the target
         size given at construction) caps the group (GatedAverager ``set_group_size``); ``group.leaders`` are asked
-        to lead first (GatedAverager ``set_leaders``).
+        to lead first (GatedAverager ``set_leaders``); ``group.members`` and ``group.placed`` are enforced
+        (GatedAverager ``set_layout``). ``reference`` (the payload of a unit that trained nothing since
+        φ) lets this unit judge the direction of each member's step in the slice it reduces; it is used only by an
+        averager constructed ``directed`` (its shared copy costs one more payload of memory).
 
         Returns False, having started nothing, when the averager process holds its tensors (see
         :meth:`_tensors_free`): the caller tries again later instead of blocking its inner loop. Raises RuntimeError
@@ -161,6 +170,8 @@ class OuterAverager:
         with self._averager.get_tensors() as buffers:
             for buffer, tensor in zip(buffers, proposal):
                 buffer.copy_(tensor.detach())
+        if self._reference is not None:
+            self._reference.hold(reference)
         if group.subgroup or self._subgroup_dirty:
             self._averager.set_group_bits(group.subgroup)
             self._subgroup_dirty = bool(group.subgroup)
@@ -170,6 +181,9 @@ class OuterAverager:
             self._averager.set_group_size(size)
             self._group_size = size
         scheduled = max(group.scheduled_at, now) if group.scheduled_at else now + window_s
+        if group.placed or self._layout_set:
+            self._averager.set_layout(group.members, group.placed)
+            self._layout_set = bool(group.placed)
         if group.leaders or self._leaders_hinted:  # they schedule at the same time plus their offsets
             self._averager.set_leaders([(leader.peer_id, scheduled + leader.offset_s) for leader in group.leaders])
             self._leaders_hinted = bool(group.leaders)

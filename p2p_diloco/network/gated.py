@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import statistics
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -25,8 +26,8 @@ from hivemind.utils import MPFuture, get_dht_time
 from hivemind.utils.asyncio import as_aiter, azip
 
 from p2p_diloco.network.membership import MemberGate
-from p2p_diloco.network.reducer import BoundedAllReduceRunner, SenderVerdict
-from p2p_diloco.trust import MAX_OFFENCES, OFFENCE_WINDOW
+from p2p_diloco.network.reducer import BoundedAllReduceRunner, RoundReference, SenderVerdict
+from p2p_diloco.trust import AGREEMENT_FLOOR, DIRECTION_ROUNDS, MAX_OFFENCES, OFFENCE_WINDOW
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +54,10 @@ class GatedAverager(hivemind.DecentralizedAverager):
     averagers: membership.py ``SharedPeerSet``; so does a suspicion after one offence, for the settle rounds). A group
     of two whose other member offended in its last OFFENCE_WINDOW rounds is left the same way: a pair cannot bound it.
 
+    A round's layout (rounds/grid.py, drawn from the round and the census: no member chooses it) is enforced the same
+    way (:meth:`set_layout`): a unit placed in another group is refused as a leader, a follower or a groupmate, so two
+    colluding identities cannot join one group by declaring its key.
+
     hivemind fixes a group's size at construction; :meth:`set_group_size` changes it between rounds (the clock
     schedule's rows and columns have sizes of their own: rounds/grid.py), through the same pipe to the averager
     process as hivemind's own ``set_group_bits``; call it once after the start. hivemind finds potential leaders
@@ -64,13 +69,16 @@ class GatedAverager(hivemind.DecentralizedAverager):
     _rpc_handlers = None  # hivemind caches RPC handlers per class: a subclass must collect its own
     _stub_type = None
 
-    def __init__(self, *args: Any, gate: MemberGate, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, gate: MemberGate, reference: RoundReference | None = None, **kwargs: Any) -> None:
         self.gate = gate
+        self._reference = reference
         self._hinted: list[tuple[PeerID, float]] = []  # the leaders set_leaders hinted (averager process)
         self._found: list[tuple[PeerID, float]] = []  # what the round's last DHT lookup found
         self._lookup_at_once = False  # the next lookup answers from the hints and the last one, not the DHT
         self._refusals_logged: dict[tuple[str, str], float] = {}
         self._offences: dict[str, deque[bool]] = {}
+        self._directions = StepDirections()
+        self._layout: tuple[frozenset[str], frozenset[str]] = (frozenset(), frozenset())  # (this group, all placed)
         super().__init__(*args, **kwargs)
 
     def set_group_size(self, size: int) -> None:
@@ -101,6 +109,23 @@ class GatedAverager(hivemind.DecentralizedAverager):
         self._look_up_hinted_leaders()
         future.set_result(None)
 
+    def set_layout(self, members: Sequence[str], placed: Sequence[str]) -> None:
+        """The next rounds take part only with units of ``members`` among those the round's layout ``placed``
+        (rounds/grid.py): a placed unit outside ``members`` is refused as a leader, a follower or a groupmate; a unit
+        the layout did not place (a joiner not yet in this unit's census) is not. Empty: no layout. Returns once the
+        averager process took it."""
+        future: MPFuture = MPFuture()
+        self._outer_pipe.send(("_set_layout", [], dict(members=list(members), placed=list(placed), future=future)))
+        future.result()
+
+    async def _set_layout(self, members: list[str], placed: list[str], future: MPFuture) -> None:
+        self._layout = (frozenset(members), frozenset(placed))
+        future.set_result(None)
+
+    def _placed_elsewhere(self, peer_id: PeerID) -> bool:
+        members, placed = self._layout
+        return str(peer_id) in placed and str(peer_id) not in members
+
     def _look_up_hinted_leaders(self) -> None:
         """Wrap the key manager's lookup of the averagers declared under a group key (the one source of hivemind's
         potential leaders; it has no hook for others): a round's first lookup returns the hinted leaders at once,
@@ -125,14 +150,19 @@ class GatedAverager(hivemind.DecentralizedAverager):
         key_manager.hints_leaders = True
 
     async def _refuses(self, peer_id: PeerID, what: str) -> bool:
-        """Whether to refuse ``peer_id``; a refusal is logged once per REFUSAL_LOG_EVERY_S for each peer and kind."""
-        if await self.gate.admits(peer_id, self.dht):
+        """Whether to refuse ``peer_id``: not admitted by the gate, or placed in another group of this round's layout
+        (:meth:`set_layout`); a refusal is logged once per REFUSAL_LOG_EVERY_S for each peer and kind."""
+        if self._placed_elsewhere(peer_id):
+            why = "placed in another group of this round's layout"
+        elif await self.gate.admits(peer_id, self.dht):
             return False
+        else:
+            why = "refused after its offences" if self.gate.refused(str(peer_id)) else "not a member of the run"
         now, key = time.monotonic(), (str(peer_id), what)
         if now - self._refusals_logged.get(key, -math.inf) >= REFUSAL_LOG_EVERY_S:
             self._refusals_logged[key] = now
-            why = "refused after its offences" if self.gate.refused(str(peer_id)) else "not a member of the run"
-            logger.warning("refused %s from %s: %s", what, peer_id, why)
+            logger.log(logging.INFO if why.startswith("placed") else logging.WARNING, "refused %s from %s: %s", what,
+                       peer_id, why)  # fmt: skip
         return True
 
     async def _step(self, *, step: StepControl, future_for_init: Any) -> None:
@@ -191,7 +221,8 @@ class GatedAverager(hivemind.DecentralizedAverager):
         group_id = group_info.group_id if group_id is None else group_id
         runner = BoundedAllReduceRunner(p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors,
                                         group_id=group_id, ordered_peer_ids=group_info.peer_ids,
-                                        on_verdicts=self._judge, **kwargs)  # fmt: skip
+                                        on_verdicts=self._judge, reference=self._reference_of_this_round(),
+                                        **kwargs)  # fmt: skip
         self._running_groups[group_id].set_result(runner)
         try:
             async for tensor, update in azip(as_aiter(*tensors), runner):
@@ -202,17 +233,24 @@ class GatedAverager(hivemind.DecentralizedAverager):
             runner.finalize(exception=error)  # generator is collected; the members waiting on this unit learn now
             raise
 
+    def _reference_of_this_round(self) -> list[torch.Tensor] | None:
+        """The round's reference (the payload of a unit that trained nothing), if its round has one."""
+        if self._reference is None or not self._reference.is_set():
+            return None
+        return self._reference.tensors
+
     def _judge(self, verdicts: dict[PeerID, SenderVerdict]) -> None:
         """Log the members whose parts this unit clipped, capped or dropped or whose averages it replaced; refuse a
-        member for the rest of the run once it offended (reducer.py) in MAX_OFFENCES of its last OFFENCE_WINDOW
-        rounds."""
+        member for the rest of the run once it offended in MAX_OFFENCES of its last OFFENCE_WINDOW rounds: by its
+        parts or averages in that round (reducer.py), or by the direction of its steps (:class:`StepDirections`)."""
         for peer_id, verdict in verdicts.items():
             history = self._offences.setdefault(str(peer_id), deque(maxlen=OFFENCE_WINDOW))
-            history.append(verdict.offended)
-            summary = verdict.summary()
-            if not verdict.offended:
-                if verdict.noteworthy:
-                    logger.info("member %s: %s", peer_id, summary)
+            pulls_away = self._directions.judge(str(peer_id), verdict.agreement)
+            offended = verdict.offended or pulls_away is not None
+            history.append(offended)
+            summary = verdict.summary() + (f"; {pulls_away}" if pulls_away else "")
+            if not offended:
+                logger.log(logging.INFO if verdict.noteworthy else logging.DEBUG, "member %s: %s", peer_id, summary)
                 continue
             offences = sum(history)
             self.gate.suspect(str(peer_id))
@@ -237,7 +275,7 @@ class GatedAverager(hivemind.DecentralizedAverager):
         others = [peer_id for peer_id in group_info.peer_ids if peer_id != self.peer_id]
         for peer_id in others:
             if await self._refuses(peer_id, "a group"):
-                raise MatchmakingException(f"group {group_info.group_id!r} has a non-member, {peer_id}")
+                raise MatchmakingException(f"group {group_info.group_id!r} has {peer_id}, which this unit refuses")
         if self._pairs_with_an_offender(others):
             raise MatchmakingException(f"group {group_info.group_id!r} pairs this unit with {others[0]}, which "
                                        f"offended in its last {OFFENCE_WINDOW} rounds")  # fmt: skip
@@ -248,6 +286,28 @@ class GatedAverager(hivemind.DecentralizedAverager):
         this averager: in a pair the bounded mean is the plain mean (nothing tells which member lies), so such a
         member's part would not be bounded at all."""
         return len(others) == 1 and any(self._offences.get(str(others[0]), ()))
+
+
+class StepDirections:
+    """Each member's steps judged by their direction over rounds: a member pulls against this unit when the mean of
+    its steps' agreements with this unit's (reducer.py ``SenderVerdict.agreement``) over its last OFFENCE_WINDOW judged
+    rounds, DIRECTION_ROUNDS at least, is below AGREEMENT_FLOOR. One round's cosine is noisy (honest members' spread
+    from -0.15 to +0.6 on the tiny preset); a flipped step's mean is negative, an honest one's positive."""
+
+    def __init__(self) -> None:
+        self._agreements: dict[str, deque[float]] = {}
+
+    def judge(self, peer_id: str, agreement: float | None) -> str | None:
+        """Note this round's ``agreement`` of ``peer_id`` (None: not judged) and say why it pulls against this unit's
+        steps (None: it does not, too few rounds judged it, or this round did not)."""
+        agreements = self._agreements.setdefault(peer_id, deque(maxlen=OFFENCE_WINDOW))
+        if agreement is None:
+            return None
+        agreements.append(agreement)
+        mean = statistics.fmean(agreements)
+        if len(agreements) < DIRECTION_ROUNDS or mean >= AGREEMENT_FLOOR:
+            return None
+        return f"its steps pull against this unit's (mean agreement {mean:+.2f} over its last {len(agreements)} rounds)"
 
 
 def with_hinted_leaders(

@@ -26,12 +26,35 @@ from typing import Any
 
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner
-from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartReducer
+from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartContainer, TensorPartReducer
 
-from p2p_diloco.robust import bounded_mean
-from p2p_diloco.trust import OFFENCE_RELATIVE, within
+from p2p_diloco.robust import BoundedMean, bounded_mean
+from p2p_diloco.trust import DIRECTED_STEP_SHARE, OFFENCE_RELATIVE, within
 
 logger = logging.getLogger(__name__)
+
+
+class RoundReference:
+    """Tensors shaped like an averager's payload, in memory shared with its averager process (allocate before the
+    process starts), holding the round in flight's reference (the payload of a unit that trained nothing since φ:
+    rounds/kinds.py), or marked unset for a round that has none (mix and correction rounds, whose members send φ)."""
+
+    def __init__(self, template: Sequence[torch.Tensor]):
+        self.tensors = [torch.zeros_like(tensor, dtype=torch.float32, device="cpu").share_memory_()
+                        for tensor in template]  # fmt: skip
+        self._set = torch.zeros(1, dtype=torch.uint8).share_memory_()
+
+    def hold(self, reference: Sequence[torch.Tensor] | None) -> None:
+        """Hold ``reference`` for the next round (None: that round has none). Call only with no round in flight."""
+        if reference is not None:
+            if [tuple(tensor.shape) for tensor in reference] != [tuple(tensor.shape) for tensor in self.tensors]:
+                raise ValueError("the reference does not match the averaged tensors' shapes")
+            for buffer, tensor in zip(self.tensors, reference):
+                buffer.copy_(tensor.detach())
+        self._set.fill_(reference is not None)
+
+    def is_set(self) -> bool:
+        return bool(self._set.item())
 
 
 @dataclass
@@ -40,7 +63,8 @@ class SenderVerdict:
     was invalid, when its parts deviated from the medians by more than OFFENCE_RELATIVE × the medians' norm over the
     whole slice (not part by part: a part of zero-initialised parameters has a median near 0 in the first rounds, and
     an honest member that made more steps than the others deviated 160× from it), or when it returned an implausible
-    average; a part merely dropped as far is no offence (trust.py)."""
+    average; a part merely dropped as far is no offence (trust.py). Its ``agreement`` (the cosine of its step with
+    this unit's own over the slice, on a round given a reference) is judged over rounds: gated.py."""
 
     parts: int = 0
     invalid: int = 0
@@ -50,18 +74,19 @@ class SenderVerdict:
     worst_excess: float = 0.0
     deviation_square: float = 0.0  # over its parts: the squared norm of their deviations from the slice's medians
     median_square: float = 0.0  # ... and the squared norm of those medians
+    agreement: float | None = None  # the cosine of its step with this unit's over the slice; None: not judged
     implausible_results: int = 0  # averaged parts it returned as a reducer that this unit replaced by its own
 
-    def add(self, invalid: bool, far: bool, clipped: bool, capped: bool, excess: float, deviation: float,
-            median_norm: float) -> None:  # fmt: skip
+    def add(self, result: BoundedMean, row: int) -> None:
+        """Count row ``row`` of one part's bounded mean."""
         self.parts += 1
-        self.invalid += invalid
-        self.dropped += invalid or far
-        self.clipped += clipped
-        self.capped += capped
-        self.worst_excess = max(self.worst_excess, excess)
-        self.deviation_square += deviation**2
-        self.median_square += median_norm**2
+        self.invalid += row in result.invalid
+        self.dropped += row in result.invalid or row in result.far
+        self.clipped += row in result.clipped
+        self.capped += row in result.capped
+        self.worst_excess = max(self.worst_excess, result.excess[row])
+        self.deviation_square += result.deviation[row] ** 2
+        self.median_square += result.center_norm**2
 
     def add_implausible_result(self) -> None:
         self.implausible_results += 1
@@ -84,6 +109,8 @@ class SenderVerdict:
             said.append(f"{self.dropped} of {self.parts} parts dropped, {self.clipped} clipped (worst "
                         f"{self.worst_excess:.1f}x the radius, deviations {self.relative:.2g}x the medians' norm), "
                         f"{self.capped} weights capped")  # fmt: skip
+        if self.agreement is not None:
+            said.append(f"its step's agreement with this unit's {self.agreement:+.2f}")
         if self.implausible_results:
             said.append(f"{self.implausible_results} of its averages replaced by this unit's own values")
         return "; ".join(said)
@@ -96,12 +123,24 @@ class SenderVerdict:
 
 class BoundedPartReducer(TensorPartReducer):
     """hivemind's reducer of one unit's slice, combining each part with :func:`bounded_mean`; ``verdicts[i]`` says
-    what sender ``i``'s parts went through, and ``on_finished(verdicts)`` is called once the reducer is finalized."""
+    what sender ``i``'s parts went through, and ``on_finished(verdicts)`` is called once the reducer is finalized.
+    With ``references`` (one per part: the slice of a payload that trained nothing) and ``own_sender`` (this unit's
+    index among the senders), each sender's step over the slice is compared with this unit's (``agreement``)."""
 
     def __init__(
-        self, part_shapes: Sequence[torch.Size], num_senders: int, on_finished: Callable[[list[SenderVerdict]], None]
+        self,
+        part_shapes: Sequence[torch.Size],
+        num_senders: int,
+        on_finished: Callable[[list[SenderVerdict]], None],
+        references: Sequence[torch.Tensor] | None = None,
+        own_sender: int | None = None,
     ) -> None:
+        if references is not None and [tuple(r.shape) for r in references] != [tuple(s) for s in part_shapes]:
+            raise ValueError("a reference per part, shaped like it")
         self.verdicts = [SenderVerdict() for _ in range(num_senders)]
+        self._references = references
+        self._own_sender = own_sender
+        self._gram = torch.zeros(num_senders, num_senders, dtype=torch.float64)  # the parts' step_gram, summed
         self._received: dict[int, tuple[torch.Tensor, float]] = {}
         self._squares = [0.0] * num_senders  # per sender: the sum of squares and count of the values it sent
         self._values = [0] * num_senders
@@ -111,7 +150,23 @@ class BoundedPartReducer(TensorPartReducer):
     def finalize(self) -> None:
         if not self.finished.is_set():
             super().finalize()
+            self._judge_directions()
             self._on_finished(self.verdicts)
+
+    def _judge_directions(self) -> None:
+        """Each other sender's agreement with this unit's step over the slice, from their summed step Gram matrix,
+        judged where both steps are at least DIRECTED_STEP_SHARE of the median sender's (a unit that trained a few
+        steps since its round has a direction of noise, as in a final round at exit)."""
+        own, squares = self._own_sender, self._gram.diagonal()
+        if own is None or not bool(squares.any()):
+            return
+        floor = DIRECTED_STEP_SHARE**2 * float(squares.median())
+        if float(squares[own]) < floor:
+            return
+        for sender, verdict in enumerate(self.verdicts):
+            if sender != own and float(squares[sender]) >= floor and float(squares[sender]) > 0:
+                product = float(squares[sender]) * float(squares[own])
+                verdict.agreement = float(self._gram[sender, own]) / math.sqrt(product)
 
     def reset_accumulators(self) -> None:
         self._received = {}
@@ -152,10 +207,14 @@ class BoundedPartReducer(TensorPartReducer):
         if self.current_part_accumulated_from == self.num_current_senders:
             senders = sorted(self._received)
             if senders:
-                result = bounded_mean([self._received[i][0] for i in senders], [self._received[i][1] for i in senders])
+                reference = self._references[self.current_part_index] if self._references is not None else None
+                result = bounded_mean([self._received[i][0] for i in senders], [self._received[i][1] for i in senders],
+                                      reference=reference)  # fmt: skip
+                if result.step_gram is not None:
+                    rows = torch.tensor(senders)
+                    self._gram[rows[:, None], rows[None, :]] += result.step_gram
                 for row, sender in enumerate(senders):
-                    flags = (row in result.invalid, row in result.far, row in result.clipped, row in result.capped)
-                    self.verdicts[sender].add(*flags, result.excess[row], result.deviation[row], result.center_norm)
+                    self.verdicts[sender].add(result, row)
                 self.current_part_future.set_result(result.value)
             else:
                 self.current_part_future.set_result(torch.zeros(self.part_shapes[self.current_part_index]))
@@ -169,7 +228,13 @@ class BoundedAllReduceRunner(AllReduceRunner):
 
     tensor_part_reducer: TensorPartReducer
 
-    def __init__(self, *args: Any, on_verdicts: Callable[[dict[Any, SenderVerdict]], None], **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        on_verdicts: Callable[[dict[Any, SenderVerdict]], None],
+        reference: Sequence[torch.Tensor] | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(*args, **kwargs)
         shapes = tuple(part.shape for part in self.parts_for_local_averaging)
         self.tensor_part_reducer.finished.set()  # hivemind's own reducer goes unused: its __del__ would warn
@@ -183,7 +248,9 @@ class BoundedAllReduceRunner(AllReduceRunner):
                     verdict.implausible_results = self._verdicts[peer].implausible_results
                     self._verdicts[peer] = verdict
 
-        self._own_reducer = BoundedPartReducer(shapes, len(self.sender_peer_ids), keep)
+        references = self._own_slice_of(reference) if reference is not None else None
+        own = self.sender_peer_ids.index(self.peer_id) if self.peer_id in self.sender_peer_ids else None
+        self._own_reducer = BoundedPartReducer(shapes, len(self.sender_peer_ids), keep, references, own)
         self.tensor_part_reducer = self._own_reducer
         register = self.tensor_part_container.register_processed_part
 
@@ -204,6 +271,15 @@ class BoundedAllReduceRunner(AllReduceRunner):
             register_failed(peer_index)
 
         self.tensor_part_container.register_failed_reducer = count_then_fill_in
+
+    def _own_slice_of(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """The parts of ``tensors`` (shaped like the averaged ones) that make up this unit's slice, split as hivemind
+        split the averaged tensors (views, no copy)."""
+        container = self.tensor_part_container
+        split = TensorPartContainer(tensors, self.peer_fractions, compression=container.compression,
+                                    part_size_bytes=container.part_size_bytes,
+                                    tensor_infos=container.tensor_infos)  # fmt: skip
+        return [part for part, _ in split._input_parts_by_peer[self.ordered_peer_ids.index(self.peer_id)]]
 
     def _missing_parts(self) -> str:
         """Which members sent this unit fewer parts of its slice than the slice has, and which reducers returned

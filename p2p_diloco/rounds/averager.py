@@ -46,12 +46,15 @@ class GroupRequest:
     meet), at most ``size`` members (0: the averager's target; a group that reaches it starts at once), the units
     expected to lead it, asked in that order before hivemind's DHT lookup shows anyone (grid.py ``Leader``), and when
     its all-reduce is scheduled on the shared clock (0: the window from the call; a layout's order of leaders holds
-    only if every unit schedules at its boundary and offset exactly, however long it took to begin the round)."""
+    only if every unit schedules at its boundary and offset exactly, however long it took to begin the round), and
+    the layout's groups, which the averager enforces (network/gated.py ``set_layout``)."""
 
     subgroup: str = ""
     size: int = 0
     leaders: tuple[Leader, ...] = ()
     scheduled_at: float = 0.0
+    members: tuple[str, ...] = ()  # the units the round's layout places in this group (grid.py) ...
+    placed: tuple[str, ...] = ()  # ... among all it places: a placed unit outside ``members`` is refused; ()s: none
 
 
 class Averager(Protocol):
@@ -68,10 +71,12 @@ class Averager(Protocol):
         tag: str = "",
         period_s: float = 0.0,
         group: GroupRequest = GroupRequest(),
+        reference: Sequence[torch.Tensor] | None = None,
     ) -> bool:
         """Start averaging ``proposal`` with whichever units of ``group`` meet within ``window_s``; False when it
-        cannot be taken now (nothing started). ``probe``,
-        ``tag`` and ``period_s`` are shared with the group. Raises RuntimeError with a round in flight, ValueError
+        cannot be taken now (nothing started). ``probe``, ``tag`` and ``period_s`` are shared with the group;
+        ``reference`` (the payload of a unit that trained nothing since φ, shaped like ``proposal``) is what members'
+        steps are measured from (an averager may ignore it). Raises RuntimeError with a round in flight, ValueError
         for a malformed request."""
         ...
 

@@ -78,10 +78,23 @@ class GridCell:
         return sum(len(range(self.column, size, self.columns)) for size in sizes)
 
     @property
+    def row_members(self) -> tuple[str, ...]:
+        """The units of this unit's row, in the round's order."""
+        return self.members[self.row :: self.rows]
+
+    @property
+    def column_members(self) -> tuple[str, ...]:
+        """The units of this unit's column (its row's without a stage 2), row by row."""
+        if not self.columns:
+            return self.row_members
+        return tuple(self.members[row + place * self.rows] for row in range(self.rows)
+                     for place in range(self.column, len(range(row, self.count, self.rows)), self.columns))  # fmt: skip
+
+    @property
     def row_leaders(self) -> tuple[Leader, ...]:
         """The units of this unit's row scheduled before it (earlier places), earliest first: those it asks to lead
         its stage-1 round, in that order."""
-        row = self.members[self.row :: self.rows]
+        row = self.row_members
         return tuple(Leader(peer, (place - self.place) * SPACING_S) for place, peer in enumerate(row[: self.place]))
 
     @property

@@ -58,6 +58,7 @@ class FragmentRound:
         begun = averager.begin_round(
             payload, weight=weight, outer_round=rounds.outer_round, window_s=window_s,
             probe=state.probe(rounds.fragment), tag=f"fragment {number}", period_s=period_s, group=group,
+            reference=rounds.reference(state.global_params, state.momentum, plan.step.hyper),
         )  # fmt: skip
         if not begun:
             return RoundBegin(round_id, RoundStatus.DEFERRED, rounds.outer_round), None

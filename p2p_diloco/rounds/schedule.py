@@ -204,7 +204,8 @@ class ClockSchedule(StepSchedule):
             if boundary is not None:
                 self.mix_due.pop(number, None)  # a mix not begun by the next round is stale
                 cell = grid_cell(census, self.peer_id, f"{number}@{boundary:.3f}", target)
-                group = GroupRequest(cell.row_bits, leaders=cell.row_leaders, scheduled_at=boundary + cell.row_offset_s)
+                group = GroupRequest(cell.row_bits, leaders=cell.row_leaders, scheduled_at=boundary + cell.row_offset_s,
+                                     members=cell.row_members, placed=cell.members)  # fmt: skip
                 dues.append(
                     Due(RoundId(RoundKind.FRAGMENT, number), group.scheduled_at - now, boundary, group, cell=cell)
                 )
@@ -229,7 +230,8 @@ class ClockSchedule(StepSchedule):
             half, weight = self.clock.period_s / 2, max(merged.total_weight, 1.0) * cell.column_share
             size = max(cell.column_size, self.plan.group.target_size)  # room for units the census missed, as in rows
             boundary = self.last_boundary[number] + half
-            group = GroupRequest(cell.column_bits, size, cell.column_leaders, boundary + cell.column_offset_s)
+            group = GroupRequest(cell.column_bits, size, cell.column_leaders, boundary + cell.column_offset_s,
+                                 cell.column_members, cell.members)  # fmt: skip
             self.mix_due[number] = MixDue(boundary, group, weight)
 
     def forget_mixes(self) -> None:
