@@ -26,6 +26,7 @@ MAX_ROUND_LEAD = 4  # a claimed outer round is believed at most this many rounds
 CORROBORATION_TOLERANCE = 0.05  # two downloaded states agree when their φ are this close, relative to ‖φ‖
 MOMENTUM_NORM_RATIO = 4.0  # ... and their outer momenta's norms within this factor of each other
 STATE_LOSS_RATIO = 1.5  # a downloaded state is refused when its held-out loss is over this × the live units' median
+# (none reporting: this unit's own starting weights' loss)
 
 
 @dataclass(frozen=True)
@@ -142,11 +143,12 @@ THRESHOLDS = (
     Threshold(
         "STATE_LOSS_RATIO",
         STATE_LOSS_RATIO,
-        "two identities serving the same forged state at a believable round (they corroborate each other): the joiner "
-        "evaluates what it downloaded on its held-out batches and refuses a state whose loss is over this × the median "
-        "eval loss the other live units' signed records report",
-        "issue 37: the joiner of such a pair evaluated 73.53 while the honest units reported 6.21 (11.8×); honest "
-        "states a round apart differ by a few percent of the loss; tests/test_unit_rounds.py",
+        "two identities serving the same forged state at a believable round (they corroborate each other), or one "
+        "liar at a swarm's start: the joiner evaluates what it downloaded on its held-out batches and refuses a state "
+        "whose loss is over this × the median eval loss the other live units' signed records report at its round or "
+        "before (none reporting: this × its own starting weights' loss)",
+        "issue 37: the joiner of such a pair evaluated 73.53 while the honest units reported 6.21 (11.8×); a lone "
+        "liar's state 56.45 against starting weights' 8.348 (results/security/README.md); tests/test_unit_rounds.py",
     ),
 )
 

@@ -480,16 +480,21 @@ def test_a_units_last_record_outlives_it_for_minutes_and_claims_no_round(make_pe
 
 
 def test_a_state_whose_loss_no_live_unit_reports_is_refused() -> None:
-    assert loss_refusal(6.5, [6.2, 6.3, 6.1]) is None
-    assert loss_refusal(73.5, []) is None  # nothing to compare with: believed (as before)
-    assert "over 1.5 x the median the live units report (6.2, 3 units)" in (loss_refusal(73.5, [6.2, 6.3, 6.1]) or "")
-    assert loss_refusal(math.nan, [6.2]) is not None
+    assert loss_refusal(6.5, 6.2, "the median") is None
+    assert loss_refusal(73.5, 6.2, "the median the live units report (3 units)") == (
+        "its held-out loss 73.5 is over 1.5 x the median the live units report (3 units) (6.2)"
+    )
+    assert loss_refusal(math.nan, 6.2, "the median") is not None
 
 
+@pytest.mark.parametrize("reported", [True, False])
 @pytest.mark.parametrize("forged", [False, True])
-def test_a_joiner_judges_the_state_two_donors_agree_on_by_its_loss(make_peer: PeerFactory, forged: bool) -> None:
+def test_a_joiner_judges_the_state_two_donors_agree_on_by_its_loss(
+    make_peer: PeerFactory, forged: bool, reported: bool
+) -> None:
     """Issue 37: two identities serving the same forged state at a believable round corroborate each other; the joiner
-    evaluates it and compares with the eval losses the other live units' records report."""
+    evaluates it and compares with the eval losses the other live units' records report, or, where none reports one
+    (a swarm's start, where a lone donor's state is taken uncorroborated), with its own starting weights' loss."""
     first = make_peer("first", FakeGroup())
     honest = first.unit.ranks.evaluate(first.unit.trainer, first.unit.state.global_params, first.unit.evaluator.batches)
     phi = clone_all(first.unit.state.global_params)
@@ -497,7 +502,8 @@ def test_a_joiner_judges_the_state_two_donors_agree_on_by_its_loss(make_peer: Pe
         phi = [tensor + 3.0 * torch.randn_like(tensor) for tensor in phi]
     served = SwarmState(phi, [], [2], 20, 0)
     fingerprint = first.unit.loaded.fingerprint
-    reports = {name: progress(name, 2, fingerprint).copy(update={"eval_loss": honest}) for name in ("u1", "u2")}
+    reports = {name: progress(name, 2, fingerprint).copy(update={"eval_loss": honest if reported else None})
+               for name in ("u1", "u2")}  # fmt: skip
     joiner = make_peer("joiner", FakeGroup(), records=FakeRecords(reports), served=served,
                        outer__outer_momentum=0.0, network__join_timeout_s=1.0)  # fmt: skip
     if forged:
@@ -506,6 +512,33 @@ def test_a_joiner_judges_the_state_two_donors_agree_on_by_its_loss(make_peer: Pe
         return
     assert joiner.unit.join() == "swarm"
     assert joiner.unit._join_loss == pytest.approx(honest, rel=1e-6)  # evaluated once, kept for the join eval
+
+
+@pytest.mark.parametrize("other_claims", [False, True])
+def test_a_lone_donor_whose_state_is_refused_leaves_the_joiner_its_own_weights(
+    make_peer: PeerFactory, other_claims: bool
+) -> None:
+    """A swarm's start beside one liar (red team ``state-far-ahead``: random tensors declared at round 10^6): its state
+    is refused against the joiner's own starting weights; with no other unit claiming a round, the joiner starts from
+    its own weights (before, every unit starting beside it took the state: eval 69.3 at join); with another unit
+    claiming one, the join fails as before (JoinError naming the refused donor)."""
+    first = make_peer("first", FakeGroup())
+    forged = [torch.randn_like(tensor) * 3.0 for tensor in first.unit.state.global_params]
+    fingerprint = first.unit.loaded.fingerprint
+    records = {"donor": progress("donor", 0, fingerprint)}
+    if other_claims:
+        records["honest"] = progress("honest", 3, fingerprint)
+    served = SwarmState(forged, [], [10**6], 0, 0)
+    joiner = make_peer("joiner", FakeGroup(), records=FakeRecords(records), served=served,
+                       outer__outer_momentum=0.0, network__join_timeout_s=1.0)  # fmt: skip
+    if other_claims:
+        with pytest.raises(JoinError, match="states refused: those of donor"):
+            joiner.unit.join()
+        return
+    assert joiner.unit.join() == "initial weights" and joiner.unit.outer_round == 0
+    assert_all_equal(joiner.unit.state.global_params, first.unit.state.global_params)
+    own = first.unit.ranks.evaluate(first.unit.trainer, first.unit.state.global_params, first.unit.evaluator.batches)
+    assert joiner.unit._join_loss == pytest.approx(own, rel=1e-6)  # its join eval: its own weights', not the refused
 
 
 def test_join_resumes_a_checkpoint_newer_than_the_swarm(make_peer: PeerFactory) -> None:

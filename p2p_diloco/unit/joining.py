@@ -15,9 +15,8 @@ from __future__ import annotations
 
 import logging
 import math
-import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +39,14 @@ SEEN_RETRY_S = 2.0
 
 class JoinError(UserError):
     """The unit cannot take part in this swarm; the message is one line for the user."""
+
+
+class StatesRefused(JoinError):
+    """No believable state was served in time, and the states of ``donors`` were refused."""
+
+    def __init__(self, message: str, donors: frozenset[str]):
+        super().__init__(message)
+        self.donors = donors
 
 
 def own_checkpoint(path: Path, fingerprint: str) -> dict[str, Any] | None:
@@ -122,7 +129,8 @@ def download_state(
     refusal: Callable[[SwarmState], str | None] = lambda state: None,
 ) -> SwarmState:
     """The swarm's state from a live peer, retried until ``timeout_s``; the download is written to ``metrics``. A state
-    for which ``refusal`` gives a reason is refused (logged) and its donors are not asked again. Raises JoinError."""
+    for which ``refusal`` gives a reason is refused (logged) and its donors are not asked again. Raises JoinError
+    (StatesRefused once a state was refused)."""
     started = time.monotonic()
     deadline = started + timeout_s
     refused: frozenset[str] = frozenset()
@@ -140,20 +148,16 @@ def download_state(
             logger.info("downloaded swarm state: outer_round=%d seconds=%.2f", state.outer_round, seconds)
             return state
         time.sleep(0.5)
-    also = f" (states refused: those of {', '.join(sorted(refused))})" if refused else ""
-    raise JoinError(
-        f"the swarm is at outer round {swarm_round} but no live peer served its state within {timeout_s:.0f} s{also}"
-    )
+    message = f"the swarm is at outer round {swarm_round} but no live peer served its state within {timeout_s:.0f} s"
+    if refused:
+        raise StatesRefused(f"{message} (states refused: those of {', '.join(sorted(refused))})", refused)
+    raise JoinError(message)
 
 
-def loss_refusal(loss: float, reported: Sequence[float]) -> str | None:
-    """Why a downloaded state whose held-out loss is ``loss`` is not believed, given the eval losses the live units
-    other than its donors reported (None: believed, or nothing to compare with): a loss over STATE_LOSS_RATIO × their
-    median (trust.py) is a state no live unit trains from."""
-    if not reported:
+def loss_refusal(loss: float, reference: float, what: str) -> str | None:
+    """Why a downloaded state whose held-out loss is ``loss`` is not believed (None: believed): a loss over
+    STATE_LOSS_RATIO × ``reference`` (trust.py), a state no live unit trains from; ``what`` says what the reference is
+    (for the log)."""
+    if math.isfinite(loss) and loss <= STATE_LOSS_RATIO * reference:
         return None
-    median = statistics.median(reported)
-    if math.isfinite(loss) and loss <= STATE_LOSS_RATIO * median:
-        return None
-    return (f"its held-out loss {loss:.4g} is over {STATE_LOSS_RATIO:g} x the median the live units report "
-            f"({median:.4g}, {len(reported)} units)")  # fmt: skip
+    return f"its held-out loss {loss:.4g} is over {STATE_LOSS_RATIO:g} x {what} ({reference:.4g})"

@@ -21,6 +21,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import statistics
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -49,6 +50,7 @@ from p2p_diloco.unit.forking import optimizer_tensors
 from p2p_diloco.unit.goodput import LEDGER_FILE, GoodputLedger
 from p2p_diloco.unit.inner import EvalBatch, InnerTrainer, StepStats, copy_into, host_copies
 from p2p_diloco.unit.joining import (
+    StatesRefused,
     data_position,
     donors_round,
     download_state,
@@ -129,6 +131,7 @@ class LearningUnit:
                                         self.round_settings)  # fmt: skip
         self.inner_step = self.tokens = 0
         self._join_loss: float | None = None  # the held-out loss of the state taken at join, when it was judged
+        self._own_start_loss: float | None = None  # ... and of this unit's own starting weights, when it was needed
         self.data_position = DataPosition()  # where the unit's data stream starts (join: from its checkpoint)
         self._stream: TrainingStream | None = None
         self.throughput = Throughput()  # tokens and wall seconds per inner step (the training loop's period)
@@ -172,10 +175,8 @@ class LearningUnit:
         claimed = swarm_round_seen(self._claimed_round, lambda: donors_round(donors()), seen,
                                    self.config.network.join_timeout_s)  # fmt: skip
         source: events.JoinSource = "initial weights"
-        if claimed > max(local_round, 0):
-            network = self.config.network
-            state = download_state(self.network.state_server, claimed, network.join_timeout_s, self.metrics,
-                                   refusal=self._state_refusal)  # fmt: skip
+        state = self._download(claimed, local_round) if claimed > max(local_round, 0) else None
+        if state is not None:
             self.state.load_state(state.global_params, state.momentum, state.fragment_rounds)
             copy_into(self.theta, self.state.global_params)
             source = "swarm"
@@ -192,29 +193,56 @@ class LearningUnit:
         self._write_replica_probe()
         return source
 
+    def _download(self, claimed: int, local_round: int) -> SwarmState | None:
+        """The swarm's state (joining.py ``download_state``), or None when every state served was refused and no
+        other unit claims a round past ``local_round`` once the refused donors' claims are left out (a lone liar at a
+        swarm's start: every unit starting beside it would otherwise fail its join). Raises JoinError."""
+        network = self.config.network
+        try:
+            return download_state(self.network.state_server, claimed, network.join_timeout_s, self.metrics,
+                                  refusal=self._state_refusal)  # fmt: skip
+        except StatesRefused as refused:
+            if self._claimed_round(excluding=refused.donors) > max(local_round, 0):
+                raise
+            logger.warning("no unit but the refused donors (%s) claims a round past this unit's: it starts from its "
+                           "own weights", ", ".join(sorted(refused.donors)))  # fmt: skip
+            self._join_loss = self._own_start_loss  # the join eval: those weights', if they were evaluated
+            return None
+
     def _state_refusal(self, state: SwarmState) -> str | None:
-        """Why a downloaded state is not believed (joining.py ``loss_refusal``): its held-out loss against the eval
-        losses the live units other than its donors report at rounds up to the state's (a unit ahead evaluated a later
-        φ: early in a run the loss falls fast, and an honest joiner refused three honest states once in CI); the loss
-        is kept for the join eval. Not judged without held-out batches, without such reports, or on a sharded unit
-        (its other ranks wait to start)."""
-        self._join_loss = None  # a refused state's loss is not the join eval of the state taken next
+        """Why a downloaded state is not believed (joining.py ``loss_refusal``): its held-out loss against the median
+        eval loss the live units other than its donors report at rounds up to the state's (a unit ahead evaluated a
+        later φ: early in a run the loss falls fast, and an honest joiner refused three honest states once in CI), or,
+        when none reports one (a swarm's start), against the loss of this unit's own starting weights (a lone donor
+        declaring random tensors at round 10^6 was taken by every unit starting beside it: eval 69.3 at join). The
+        state's loss is kept for the join eval. Not judged without held-out batches or on a sharded unit (its other
+        ranks wait to start)."""
+        self._join_loss = None
         if not self.evaluator.batches or self.ranks.sharded:
             return None
         live = in_phase(self.network.records.read_progress(), "training", "finishing")
         others = [record for peer, record in live.items() if peer not in {*state.donors, self.network.peer_id}]
         reported = [record.eval_loss for record in others
                     if record.eval_loss is not None and record.outer_round <= state.outer_round]  # fmt: skip
-        if not reported:
-            return None
         loss = self.ranks.evaluate(self.trainer, state.global_params, self.evaluator.batches)
-        self._join_loss = loss
-        return loss_refusal(loss, reported)
+        if reported:
+            median = statistics.median(reported)
+            why = loss_refusal(loss, median, f"the median the live units report ({len(reported)} units)")
+        else:
+            if self._own_start_loss is None:
+                batches = self.evaluator.batches
+                self._own_start_loss = self.ranks.evaluate(self.trainer, self.state.global_params, batches)
+            why = loss_refusal(loss, self._own_start_loss, "the loss of this unit's own starting weights")
+        self._join_loss = loss if why is None else None
+        return why
 
-    def _claimed_round(self) -> int:
-        """The latest round the other units claim in the records readable now (-1: none)."""
+    def _claimed_round(self, excluding: frozenset[str] = frozenset()) -> int:
+        """The latest round the other units (but ``excluding``) claim in the records readable now (-1: none)."""
         progress = in_phase(self.network.records.read_progress(), "training", "finishing")  # units that left serve none
-        return swarm_round(progress, self.network.state_server.declared_rounds(), self.network.peer_id)
+        declared = self.network.state_server.declared_rounds()
+        return swarm_round({peer: record for peer, record in progress.items() if peer not in excluding},
+                           {peer: number for peer, number in declared.items() if peer not in excluding},
+                           self.network.peer_id)  # fmt: skip
 
     # ----------------------------------------------------------------------------------------- training
     def run(self, stop: threading.Event) -> None:
