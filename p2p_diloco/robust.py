@@ -49,7 +49,7 @@ class BoundedMean:
     excess: tuple[float, ...] = ()  # per input: its deviation norm over the clipping radius (0 for invalid parts)
     deviation: tuple[float, ...] = ()  # per input: the norm of its deviation from the median (0 for invalid parts)
     center_norm: float = 0.0  # the norm of the coordinate-wise median of the kept parts
-    step_gram: torch.Tensor | None = None  # with a reference r: <x_i − r, x_j − r> in float64 (0 for invalid inputs)
+    step_gram: torch.Tensor | None = None  # with a reference r: <x_i − r, x_j − r> (float64; 0 for invalid inputs)
 
     @property
     def relative(self) -> tuple[float, ...]:
@@ -111,13 +111,13 @@ def bounded_mean(
 def _step_gram(
     stacked: torch.Tensor, reference: torch.Tensor | None, kept: list[int], count: int
 ) -> torch.Tensor | None:
-    """BoundedMean's ``step_gram`` (None without a reference), in float64."""
+    """BoundedMean's ``step_gram`` (None without a reference)."""
     if reference is None:
         return None
-    steps = (stacked.flatten(1) - reference.float().flatten()).double()
+    steps = stacked.flatten(1) - reference.float().flatten()
     rows = torch.tensor(kept)
     gram = torch.zeros(count, count, dtype=torch.float64)
-    gram[rows[:, None], rows[None, :]] = steps @ steps.T
+    gram[rows[:, None], rows[None, :]] = (steps @ steps.T).double()  # a part's sums in float32
     return gram
 
 

@@ -3,6 +3,7 @@ the honest units hold."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -67,18 +68,17 @@ IN_GROUPS_OF_THREE = ("--quorum", "3")
 
 
 @pytest.mark.parametrize(
-    "variant, defence, honest_flags",
+    "variant, defences, honest_flags",
     [
-        ("payload-nan", "offended", ()),
-        ("payload-x1000", "offended", ()),
-        ("payload-noise", "parts dropped", ()),
-        ("step-flip", "pull against", IN_GROUPS_OF_THREE),
-        ("weight-x1000", "weights capped", ()),
-        ("reducer-x1000", "averages replaced", ()),
+        ("payload-nan", ("offended",), ()),
+        ("payload-x1000", ("offended",), ()),
+        ("payload-noise+weight-x1000", (r"[1-9]\d* of \d+ parts dropped", r"[1-9]\d* weights capped"), ()),
+        ("step-flip", ("pull against",), IN_GROUPS_OF_THREE),
+        ("reducer-x1000", ("averages replaced",), ()),
     ],
 )
 def test_one_member_cannot_move_the_honest_units_far(
-    tmp_path: Path, variant: str, defence: str, honest_flags: tuple[str, ...]
+    tmp_path: Path, variant: str, defences: tuple[str, ...], honest_flags: tuple[str, ...]
 ) -> None:
     """Without bounds, a member sending 1000 × its proposal took the honest units' φ to a loss of 10^6 (they reset
     θ over and over and exported it), one adding N(0, 1) noise to 16.7, a sign-flipped ×3 step to +9%, a member
@@ -87,19 +87,21 @@ def test_one_member_cannot_move_the_honest_units_far(
     such members, never refused). Each honest unit reduces its slice with the bounded mean (robust.py), checks the
     averages others return (reducer.py) and compares the members' steps with its own over rounds (gated.py): it logs
     the red member's part as clipped, capped or dropped, its averages as replaced, or its steps as pulling against
-    its own, and its loss keeps going down (its evals of every round; the units are closed, not stopped: their exit
+    its own (a noisy member claiming 1000 × its tokens: its parts dropped and its weight capped), and its loss keeps
+    going down (its evals of every round; the units are closed, not stopped: their exit
     under attack is asserted by the other tests here and measured in every variant of the security benchmark)."""
     swarm = quick_swarm(tmp_path)
     try:
         maddr = swarm.bootstrap("bootstrap")
         for name in HONEST:
             swarm.unit(name, [maddr], "--eval-every-rounds", "1", *honest_flags)
-        swarm.unit("red", [maddr], cli=red_team_cli(variant))
+        swarm.unit("red", [maddr], cli=red_team_cli(*variant.split("+")))
         red_id = swarm.wait_for(lambda: peer_id_in_log(tmp_path / "red"), timeout_s=60, what="the red unit's peer id")
 
         def judged(name: str) -> bool:
-            log = (tmp_path / name / "stdout.log").read_text()
-            return any(defence in line and f"member {red_id}" in line for line in log.splitlines())
+            lines = [line for line in (tmp_path / name / "stdout.log").read_text().splitlines()
+                     if f"member {red_id}" in line]  # fmt: skip
+            return all(any(re.search(defence, line) for line in lines) for defence in defences)
 
         def held() -> bool:  # a red member refused early meets the honest units in fewer rounds: count merged ones
             merged = all(sum(r.group_size >= 2 for r in swarm.rounds(n)) >= ROUNDS_WITH_THE_RED_UNIT for n in HONEST)

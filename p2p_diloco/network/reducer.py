@@ -1,6 +1,8 @@
 """hivemind's all-reduce with a bounded reducer: each unit reduces its slice of a round with :func:`bounded_mean`
 (robust.py) instead of the plain weighted mean, checks the averaged slices the other members return, and judges the
-members whose parts it had to drop or clip far, or whose averages were implausible.
+members whose parts it had to drop or clip far, or whose averages were implausible; given the round's reference (the
+payload of a unit that trained nothing since φ: :class:`RoundReference`), it also measures each member's step against
+this unit's own over the slice, which gated.py judges over rounds.
 
 hivemind 1.1.12 has no hook for the reducer's rule: ``AllReduceRunner`` builds a ``TensorPartReducer`` that sums
 each sender's part with the weight the sender states. :class:`BoundedAllReduceRunner` replaces that reducer with
@@ -10,7 +12,8 @@ what this unit sent it) must have the shape sent, be finite, and have an RMS wit
 slice sent to that member or of the members' payloads for this unit's own slice, whichever is larger (trust.py
 ``within``); an implausible one is replaced by zeros (this unit keeps its own values of that part, as hivemind does
 for a reducer that failed), the others are used. The exchange on the wire is unchanged (no extra bytes); the cost is
-buffering one slice of every sender and a median over them. An all-reduce that ends with parts missing (a timeout, a
+buffering one slice of every sender, a median over them and, with a reference, the Gram matrix of the senders' steps
+(and one more payload's memory for the reference). An all-reduce that ends with parts missing (a timeout, a
 member gone) logs which members did not send their parts or return their averages.
 """
 
