@@ -487,6 +487,17 @@ def test_a_state_whose_loss_no_live_unit_reports_is_refused() -> None:
     assert loss_refusal(math.nan, 6.2, "the median") is not None
 
 
+def joiner_served(make_peer: PeerFactory, records: dict[str, PeerProgress], served: SwarmState) -> Peer:
+    """A joiner reading ``records`` whose donor (peer ``donor``) serves ``served``; its join times out after 1 s."""
+    return make_peer("joiner", FakeGroup(), records=FakeRecords(records), served=served, outer__outer_momentum=0.0,
+                     network__join_timeout_s=1.0)  # fmt: skip
+
+
+def assert_refuses_the_donor(joiner: Peer) -> None:
+    with pytest.raises(JoinError, match="states refused: those of donor"):
+        joiner.unit.join()
+
+
 @pytest.mark.parametrize("reported", [True, False])
 @pytest.mark.parametrize("forged", [False, True])
 def test_a_joiner_judges_the_state_two_donors_agree_on_by_its_loss(
@@ -504,11 +515,9 @@ def test_a_joiner_judges_the_state_two_donors_agree_on_by_its_loss(
     fingerprint = first.unit.loaded.fingerprint
     reports = {name: progress(name, 2, fingerprint).copy(update={"eval_loss": honest if reported else None})
                for name in ("u1", "u2")}  # fmt: skip
-    joiner = make_peer("joiner", FakeGroup(), records=FakeRecords(reports), served=served,
-                       outer__outer_momentum=0.0, network__join_timeout_s=1.0)  # fmt: skip
+    joiner = joiner_served(make_peer, reports, served)
     if forged:
-        with pytest.raises(JoinError, match="states refused: those of donor"):
-            joiner.unit.join()
+        assert_refuses_the_donor(joiner)
         return
     assert joiner.unit.join() == "swarm"
     assert joiner.unit._join_loss == pytest.approx(honest, rel=1e-6)  # evaluated once, kept for the join eval
@@ -528,12 +537,9 @@ def test_a_lone_donor_whose_state_is_refused_leaves_the_joiner_its_own_weights(
     records = {"donor": progress("donor", 0, fingerprint)}
     if other_claims:
         records["honest"] = progress("honest", 3, fingerprint)
-    served = SwarmState(forged, [], [10**6], 0, 0)
-    joiner = make_peer("joiner", FakeGroup(), records=FakeRecords(records), served=served,
-                       outer__outer_momentum=0.0, network__join_timeout_s=1.0)  # fmt: skip
+    joiner = joiner_served(make_peer, records, SwarmState(forged, [], [10**6], 0, 0))
     if other_claims:
-        with pytest.raises(JoinError, match="states refused: those of donor"):
-            joiner.unit.join()
+        assert_refuses_the_donor(joiner)
         return
     assert joiner.unit.join() == "initial weights" and joiner.unit.outer_round == 0
     assert_all_equal(joiner.unit.state.global_params, first.unit.state.global_params)
