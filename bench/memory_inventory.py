@@ -76,6 +76,10 @@ def inventory(plan: RoundPlan, weight_bytes: int = FP32) -> list[Copy]:
              "shared memory: main + each averager", "persistent", FP32 * plan.step.payload.copies,
              "network/averaging.py:OuterAverager.__init__ (zeros_like of rounds/plan.py:RoundPlan.round_templates; "
              "hivemind DecentralizedAverager.__init__: share_memory_)"),
+        Copy(f"fragment-round averagers' references (the payload of a unit that trained nothing, for judging members' "
+             f"directions; {plan.step.payload.copies}× the fragments)", "shared memory: main + each averager",
+             "persistent", FP32 * plan.step.payload.copies,
+             "network/reducer.py:RoundReference ← network/averaging.py:OuterAverager.__init__ (directed)"),
         Copy("consensus averagers' buffers (φ_p flat per fragment)", "shared memory: main + each consensus averager",
              "persistent", FP32 if plan.consensus else 0.0,
              "peer.py:run_peer ← rounds/plan.py:RoundPlan.consensus_templates (lossy codecs only)"),
@@ -94,35 +98,39 @@ def inventory(plan: RoundPlan, weight_bytes: int = FP32) -> list[Copy]:
              "streaming.py:FragmentRounds.payload, held by streaming.py:SentRound.momentum_proposal (the payload "
              "itself is only in the averager's buffer: an alone round reads it back, network/averaging.py:"
              "OuterAverager._buffers)"),
-        Copy(("φ_p, m_p and Δ_p copies" if m else "φ_p and Δ_p copies") + (", the unused proposal" if lossy else ""),
-             "main", "momentary",
-             FP32 * s * ((3 + 2 * m) if lossy else 2 + m),
-             "streaming.py:FragmentRounds.payload (fragments.py:copies, diloco.py:pseudo_gradient, outer_step)"),
+        Copy("payload: Δ_p" + (" stepped into φ'_p in place" if not (m or lossy) else ", φ'_p, m_p copy and m'_p"
+                                if not lossy else ", the unused proposal" + (", m_p copy and m'_p" if m else "")),
+             "main", "momentary", FP32 * s * (1 if not (m or lossy) else 2 + 2 * m),
+             "streaming.py:FragmentRounds.payload (φ_p read in place; diloco.py:pseudo_gradient, step_in_place, "
+             "outer_step)"),
+        Copy("reference: φ_p itself at momentum 0 (views), else the outer step on a zero Δ_p" + (
+             " (zeros, lossy)" if lossy else ""), "main", "momentary", FP32 * s * (1 if lossy else 3 * m),
+             "streaming.py:FragmentRounds.reference"),
         Copy("decoded payload (lossy: what receivers decode, to update the residuals)", "main", "momentary",
              FP32 * s if plan.step.error_feedback else 0.0,
              "streaming.py:FragmentRounds.mark_sent (network/compression.py:roundtrip)"),
-        Copy("merge: φ_p copy (plausibility check), θ_p copy, merged θ_p" + (", the outer step's φ_p, m_p"
-                                                                             if lossy else ""),
-             "main", "momentary", FP32 * s * ((4 + m) if lossy else 3),
-             "rounds/kinds.py:FragmentRound.end, _merge (diloco.py:merge_local_progress, distance)"),
-        Copy("eval: θ saved while φ is loaded", "main", "momentary", weight_bytes,
+        Copy("merge: θ_p one piece at a time (the average read in the averager's buffers)" + (
+             ", the outer step's φ_p, m_p" if lossy else ""),
+             "main", "momentary", FP32 * s * (1 + m) if lossy else 0.0,
+             "rounds/kinds.py:FragmentRound.end, rounds/state.py:OuterState.merge (diloco.py:merge_local_progress)"),
+        Copy("eval: φ converted to θ's dtype (none in fp32: φ is swapped in)", "main", "momentary",
+             0.0 if weight_bytes == FP32 else weight_bytes,
              "unit/inner.py:InnerTrainer.parameters_swapped ← unit/unit.py:LearningUnit._evaluate"),
-        Copy("checkpoint: θ copy (φ, m, AdamW state by reference; hashed in place; torch.save streams to the page "
-             "cache)", "main", "momentary", FP32,
-             "unit/unit.py:LearningUnit.save (unit/inner.py:host_copies), checkpoint.py:save_checkpoint, "
-             "payload_digest"),
-        Copy("settle averager's buffer (φ flat), on top of the round averagers' (still mapped: the unit keeps them)",
+        Copy("checkpoint: θ on the host in fp32 (none for a CPU fp32 θ; φ, m, AdamW state by reference; hashed in "
+             "place; torch.save streams to the page cache)", "main", "momentary",
+             0.0 if weight_bytes == FP32 else FP32,
+             "unit/unit.py:LearningUnit.save (unit/inner.py:on_host), checkpoint.py:save_checkpoint, payload_digest"),
+        Copy("settle averager's buffer (φ in its shapes), once the round averagers' buffers were freed",
              "shared memory: main + a new child", "exit", FP32,
-             "peer.py:_settle_averager ← rounds/departure.py:Departure._start_settle_averager"),
-        Copy("settle payload (φ flat)", "main", "exit", FP32,
-             "rounds/kinds.py:Settle.payload (streaming.py:flatten_pieces)"),
+             "peer.py:_settle_averager ← rounds/departure.py:Departure._start_settle_averager "
+             "(network/averaging.py:OuterAverager.shutdown frees the others')"),
+        Copy("settle payload: φ itself (views)", "main", "exit", 0.0, "rounds/kinds.py:Settle.payload"),
         Copy("the main process's pages inherited by the settle averager (forked at exit from the whole main "
              "process)", "the settle averager", "exit", 0.0,
              "unit/forking.py:dropped_in_forked_children ← peer.py:_settle_averager, "
              "rounds/departure.py:Departure.leave"),
-        Copy("a round's end: the buffer's clone (the group's average, or alone what was sent; + mean − sent in "
-             "consensus and settle rounds)", "main", "momentary", FP32 * s * plan.step.payload.copies,
-             "network/averaging.py:OuterAverager._buffers ← poll"),
+        Copy("a correction round's end: mean − sent (consensus rounds; settle rounds at exit)", "main", "momentary",
+             FP32 * s if plan.consensus else 0.0, "rounds/kinds.py:CorrectionRound.end"),
         Copy("all-reduce: one averaged tensor at a time and per-part buffers", "each averager", "not alone",
              0.0, "hivemind averaging/partition.py:TensorPartContainer.iterate_output_tensors (torch.cat per tensor)"),
         Copy("serving a joiner: a snapshot of φ (and m)", "the state server", "not alone", FP32 * (1 + m),
@@ -130,7 +138,8 @@ def inventory(plan: RoundPlan, weight_bytes: int = FP32) -> list[Copy]:
         Copy("joining by download: φ (and m) through the pipe, then validated clones", "main", "not alone",
              2 * FP32 * (1 + m),
              "network/state_sync.py:_SnapshotAverager.fetch_state, StateServer._validated"),
-        Copy("export with --save-dir: θ saved, safetensors bytes", "main", "not alone", weight_bytes + FP32,
+        Copy("export with --save-dir: φ converted to θ's dtype (none in fp32; safetensors writes from the tensors)",
+             "main", "not alone", 0.0 if weight_bytes == FP32 else weight_bytes,
              "unit/unit.py:LearningUnit.finish → unit/model.py:export_pretrained"),
     ]  # fmt: skip
 

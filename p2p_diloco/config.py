@@ -232,7 +232,9 @@ class RunSection(_Section):
     stop_at: float | None = Field(None, gt=0.0, description="stop training at this time (seconds since the epoch)")
     work_dir: str = Field("runs/peer", description="checkpoints, metrics.jsonl and logs of this peer")
     save_dir: str | None = Field(None, description="export the consensus model here (save_pretrained) on exit")
-    checkpoint_every_rounds: int = Field(5, ge=1, description="write a local checkpoint every N outer rounds")
+    checkpoint_every_rounds: int = Field(
+        5, ge=1, description="write a local checkpoint every N outer rounds (and at the first a process merges)"
+    )
     export_every_rounds: int | None = Field(
         None, ge=1, description="also export the consensus model to --save-dir every N outer rounds while training"
     )

@@ -33,7 +33,15 @@ from dataclasses import dataclass
 
 import torch
 
-from p2p_diloco.diloco import OuterHyperparams, distance, outer_step, pseudo_gradient, radial_merge, radial_parts
+from p2p_diloco.diloco import (
+    OuterHyperparams,
+    distance,
+    outer_step,
+    pseudo_gradient,
+    radial_merge,
+    radial_parts,
+    step_in_place,
+)
 from p2p_diloco.fragments import Fragment, copies, first_round_offset, views
 
 Tensors = list[torch.Tensor]
@@ -103,8 +111,11 @@ class FragmentRounds:
         """The tensors to average for this fragment, the unit's own momentum proposal to keep while the round is in
         flight (proposal payload without sync_momentum; RDA: m_p) and the norm of its own outer step ‖φ'_p − φ_p‖ (on
         its Δ_p alone)."""
-        phi, moment = copies(global_params, self.fragment), _momentum_copies(momentum, self.fragment)
+        phi, moment = views(global_params, self.fragment), _momentum_copies(momentum, self.fragment)  # φ only read
         delta = pseudo_gradient(phi, local_at_send)
+        if self.payload_kind is Payload.PROPOSAL and self.radial is None and not moment and hyper.momentum == 0:
+            params_still = step_in_place(phi, delta, hyper.lr)  # Δ_p is of no more use
+            return params_still, [], distance(params_still, phi)
         params_proposal, momentum_proposal = outer_step(phi, moment, delta, hyper)
         own_step = distance(params_proposal, phi)
         if self.payload_kind is Payload.PSEUDO_GRADIENT:
@@ -121,12 +132,16 @@ class FragmentRounds:
     def reference(self, global_params: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor],
                   hyper: OuterHyperparams) -> Tensors:  # fmt: skip
         """The payload of a unit that trained nothing since φ_p (Δ_p = 0), from which members' steps are measured:
-        zeros for pseudo-gradients; for proposals, the outer step on a zero Δ_p (with RDA, zero directions)."""
-        phi, moment = copies(global_params, self.fragment), _momentum_copies(momentum, self.fragment)
+        zeros for pseudo-gradients; for proposals, the outer step on a zero Δ_p (with RDA, zero directions), which
+        without a momentum is φ_p itself (views of it: the averager copies them, and a unit's round peaks one copy of
+        its payload lower)."""
+        phi, moment = views(global_params, self.fragment), _momentum_copies(momentum, self.fragment)
         if self.payload_kind is Payload.PSEUDO_GRADIENT:
             return [torch.zeros_like(piece) for piece in phi]
         if self.radial is not None:
             return self.mix_payload(phi, moment)
+        if not moment:
+            return phi
         params_still, momentum_still = outer_step(phi, moment, [torch.zeros_like(piece) for piece in phi], hyper)
         return params_still + (momentum_still if self._synced else [])
 
@@ -166,7 +181,7 @@ class FragmentRounds:
         """The fragment's new (φ_p, m_p) from the group's average of the payloads."""
         if self.payload_kind is Payload.PSEUDO_GRADIENT:
             moment = _momentum_copies(momentum, self.fragment)
-            return outer_step(copies(global_params, self.fragment), moment, averaged, hyper)
+            return outer_step(views(global_params, self.fragment), moment, averaged, hyper)
         count = len(self.fragment.pieces)
         phi, rest = averaged[:count], averaged[count:]
         moment, rest = (rest[:count], rest[count:]) if self._synced else (sent.momentum_proposal, rest)

@@ -146,7 +146,7 @@ class FakeAverager:
         group: GroupRequest = GroupRequest(),
         reference: Sequence[torch.Tensor] | None = None,
     ) -> bool:
-        check_round_request(self._in_flight, self.shapes, proposal, weight)
+        check_round_request(self._in_flight, self.shapes, proposal, weight, reference)
         call, self.calls = self.calls, self.calls + 1
         if (self.unit, call) in self.group.faults.refusals:
             return False

@@ -69,6 +69,24 @@ def test_a_held_tensors_lock_defers_the_round_instead_of_blocking() -> None:
 
 
 @pytest.mark.swarm
+def test_shutdown_frees_the_shared_buffers() -> None:
+    """A unit shuts its round averagers down at exit before its settle averager starts: their shared buffers (the
+    payload, and a directed averager's reference) hold no memory after, whoever still refers to them."""
+    dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    averager = OuterAverager(dht, "free-test", [torch.zeros(64), torch.zeros(8)], quorum=1, target_group_size=2,
+                             allreduce_timeout_s=5, directed=True)  # fmt: skip
+    try:
+        assert averager._reference is not None
+        held = [*averager._averager._averaged_tensors, *averager._reference.tensors]  # hivemind's and the reducer's
+        assert sum(tensor.untyped_storage().nbytes() for tensor in held) == 2 * 72 * 4
+        averager.shutdown()
+        assert sum(tensor.untyped_storage().nbytes() for tensor in held) == 0
+    finally:
+        averager.shutdown()
+        stop_dht(dht)
+
+
+@pytest.mark.swarm
 def test_an_averager_stuck_with_its_tensors_locked_is_restarted() -> None:
     """A lock that stays taken (as hivemind can leave it after a cancelled step) defers rounds only until it has been
     busy for longer than the all-reduce timeout plus the margin; then a new averager takes the round."""

@@ -182,7 +182,7 @@ def test_the_period_grows_with_h_over_the_warm_up_rounds() -> None:
 
 
 def settle_template(engine: RoundEngine) -> list[torch.Tensor]:
-    return [torch.zeros(engine.state.whole.numel)]
+    return Settle(engine.state).template()
 
 
 def test_settle_rounds_bring_units_that_leave_together_to_their_mean_phi() -> None:
@@ -201,6 +201,11 @@ def test_settle_rounds_bring_units_that_leave_together_to_their_mean_phi() -> No
     sent = [
         kind.begin(0, averager, window_s=settle_window_s(plan, 1000.0))[1] for kind, averager in zip(kinds, averagers)
     ]
+    payload = sent[0]  # φ itself, in its shapes: a settle round copies the model only into its averager's buffers
+    assert payload is not None and all(
+        tensor.data_ptr() == phi.data_ptr() for tensor, phi in zip(payload, units[0].state.global_params)
+    )
+    assert all(tensor.device.type == "meta" for tensor in settle_template(units[0]))
     ends = [kind.end(0, payload, averager.poll()) for kind, payload, averager in zip(kinds, sent, averagers)]
     assert all(end.kind is RoundKind.SETTLE and end.status is RoundStatus.MERGED for end in ends)
     assert ends[0].member_drift > 0.1

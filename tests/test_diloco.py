@@ -18,6 +18,7 @@ from p2p_diloco.diloco import (
     pseudo_gradient,
     radial_merge,
     radial_parts,
+    step_in_place,
     weighted_average,
 )
 
@@ -66,6 +67,16 @@ def test_outer_step_at_momentum_zero_needs_no_momentum(nesterov: bool) -> None:
     _assert_lists_close(new_phi, outer_step(phi, [torch.zeros_like(t) for t in phi], delta, hyper)[0], atol=0.0)
     with pytest.raises(ValueError, match="differ in length"):
         outer_step(phi, [], delta, OuterHyperparams(lr=0.7, momentum=0.9, nesterov=nesterov))
+
+
+@pytest.mark.parametrize("lr", [1.0, 0.7])
+def test_the_in_place_step_equals_the_outer_step_bit_for_bit(lr: float) -> None:
+    """A round's payload at μ = 0 is stepped in the pseudo-gradient's memory: the same bits as outer_step's."""
+    phi, delta = _tensors(1), _tensors(3)
+    expected, _ = outer_step(phi, [], delta, OuterHyperparams(lr=lr, momentum=0.0, nesterov=False))
+    stepped = step_in_place(phi, delta, lr)
+    assert all(a is b for a, b in zip(stepped, delta))
+    assert all(torch.equal(a, b) for a, b in zip(stepped, expected))
 
 
 def test_outer_step_does_not_modify_inputs() -> None:

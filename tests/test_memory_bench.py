@@ -1,4 +1,5 @@
-"""The memory benchmark's pure parts (bench/memory*.py, bench/process_memory.py); scripts/memory.py runs it."""
+"""The memory benchmarks' pure parts (bench/memory*.py, bench/exit_memory.py, bench/process_memory.py); the scripts
+memory.py and exit_memory.py run them."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import sys
 import psutil
 import pytest
 
+from bench import exit_memory
 from bench.memory import TreeWatch, stop_leftovers
 from bench.memory_inventory import as_json, forked_children, inventory, predicted
 from bench.memory_report import markdown
@@ -57,16 +59,18 @@ def test_inventory_counts_the_persistent_copies_of_each_plan() -> None:
     default = plan()  # a plain average: proposals at momentum 0 (no m kept), 3 forked children
     assert forked_children(default) == 3
     default_bytes = predicted(inventory(default))
-    # φ, averager, state server; in flight only θ_p at send (the payload sent is in the averager's buffer alone)
-    assert default_bytes["persistent"] == 4 + 4 + 4 and default_bytes["in_flight"] == 4
+    # φ, averager, its reference, state server; in flight only θ_p at send (the payload sent is in the averager's
+    # buffer alone); the largest momentary copy: Δ_p, stepped into the payload in place
+    assert default_bytes["persistent"] == 4 + 4 + 4 + 4 and default_bytes["in_flight"] == 4
+    assert default_bytes["momentary"] == 4
     synced = predicted(inventory(plan(outer_momentum=0.9)))  # m'_p travels in the payload: no own copy is kept
-    assert synced["persistent"] == 4 + 4 + 8 + 8 and synced["in_flight"] == 4
+    assert synced["persistent"] == 4 + 4 + 8 + 8 + 8 and synced["in_flight"] == 4
     unsynced = predicted(inventory(plan(outer_momentum=0.9, sync_momentum=False)))
     assert unsynced["in_flight"] == 4 + 4  # θ_p and the unit's own m'_p
     lossy = plan(codec="fp16", fragments=4)  # consensus averagers and error feedback; 2 of 4 fragments in flight
     assert forked_children(lossy) == 10
     assert predicted(inventory(lossy)) == pytest.approx(
-        {"persistent": 4 + 4 + 4 + 4 + 4, "in_flight": 2, "momentary": 8, "peak_low": 22, "peak_high": 30}
+        {"persistent": 4 + 4 + 4 + 4 + 4 + 4, "in_flight": 2, "momentary": 4, "peak_low": 26, "peak_high": 30}
     )
 
 
@@ -91,6 +95,22 @@ def test_markdown_puts_the_command_first_and_a_row_per_run() -> None:
     table = markdown(report)
     assert table.startswith("Reproduce with:\n\n```\npython scripts/memory.py --out x\n```")
     assert "| m | 1.05 M | bare loop |  |  | 8 | 8.0 |" in table
-    assert "| m | 1.05 M | P4 | `--fragments 4` | 20 | 12 | 12.0 | +4.0 | 16–28 |" in table
+    assert "| m | 1.05 M | P4 | `--fragments 4` | 20 | 12 | 12.0 | +4.0 | 20–24 |" in table
     assert "Fewer inner steps than --max-steps m P4: stopped by SIGTERM" in table
-    assert "| **predicted excess: persistent** | | | | 12 |" in table
+    assert "| **predicted excess: persistent** | | | | 16 |" in table
+
+
+def test_the_exit_report_passes_a_unit_only_below_its_training_peak_by_both_measures() -> None:
+    unit = {"exit_code": 0, "exported": True, "training_peak": 7 * 2**30, "exit_peak": 6 * 2**30,
+            "exit_over_training": 6 / 7, "training_main_hwm": 5 * 2**30, "exit_main_hwm": 4 * 2**30, "exit_s": 50.0,
+            "inner_steps": 20, "rounds": 3, "final_eval": 4.2}  # fmt: skip
+    assert exit_memory.passed(unit)
+    assert not exit_memory.passed({**unit, "exit_main_hwm": 6 * 2**30})  # a peak between samples counts too
+    assert not exit_memory.passed({**unit, "exit_peak": 8 * 2**30})
+    assert not exit_memory.passed({**unit, "exported": False})
+    report = {"command": "python scripts/exit_memory.py --out x", "environment": "Python 3.11", "train_s": 360.0,
+              "flags": ["--seq-len", "128"], "lowest_available": 2**30, "total_memory": 2**34,
+              "units": {"unit0": unit}}  # fmt: skip
+    table = exit_memory.markdown(report)
+    assert table.startswith("Reproduce with:\n\n```\npython scripts/exit_memory.py --out x\n```")
+    assert "| unit0 | 0 | yes | 7,168 | 6,144 | 0.857 | 5,120 | 4,096 | 0.800 | 50 | 20 | 3 | 4.2000 | yes |" in table

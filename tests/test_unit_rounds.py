@@ -321,6 +321,37 @@ def test_an_eval_after_a_round_is_spread_over_the_next_steps_and_scores_phi_as_i
     assert a.unit.evaluator.last_loss == event.eval_loss
 
 
+def test_an_eval_or_export_reads_phi_where_it_lies_and_leaves_theta(make_peer: PeerFactory) -> None:
+    """Swapping φ into the model for an eval or an export copies nothing when φ has the parameters' dtype and device
+    (a copy of the model less at every eval and at exit), converts it otherwise, and puts θ back after."""
+    a = make_peer("a", FakeGroup())
+    inner_step(a)
+    trainer, phi = a.unit.trainer, a.unit.state.global_params
+    theta = trainer.local_parameters()
+    assert differs(theta, phi)
+    with trainer.parameters_swapped(phi):
+        assert [param.data_ptr() for param in trainer.params] == [tensor.data_ptr() for tensor in phi]
+    assert_all_equal(trainer.local_parameters(), theta)
+    halves = [tensor.to(torch.bfloat16) for tensor in phi]
+    with trainer.parameters_swapped(halves):
+        assert all(param.dtype == torch.float32 for param in trainer.params)
+        assert_all_equal(trainer.local_parameters(), [half.float() for half in halves])
+    assert_all_equal(trainer.local_parameters(), theta)
+
+
+def test_a_processs_first_merged_round_writes_the_checkpoint_then_every_n_rounds(make_peer: PeerFactory) -> None:
+    """A kill after a unit's first merged round loses at most one round of its own work: the first round a process
+    advances writes the checkpoint whatever checkpoint_every_rounds says; after it, every N rounds."""
+    a = make_peer("a", FakeGroup(), run__checkpoint_every_rounds=3)
+    written = []
+    for _ in range(3):
+        train_until_round(a)
+        assert poll(a)
+        checkpoint = load_checkpoint(a.unit.checkpoint_path)
+        written.append(None if checkpoint is None else checkpoint["outer_round"])
+    assert written == [1, 1, 3]
+
+
 def test_the_final_eval_drops_a_spread_eval_still_running(make_peer: PeerFactory) -> None:
     """At exit the final φ supersedes the φ of a spread eval not finished yet: only the final eval is written."""
     a = make_peer("a", FakeGroup(), data__eval_batches=3, outer__inner_steps=100)

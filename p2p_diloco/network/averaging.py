@@ -104,6 +104,7 @@ class OuterAverager:
         self._shapes = [tuple(tensor.shape) for tensor in template]
         self._stuck_after_s = allreduce_timeout_s + STUCK_MARGIN_S
         buffers = [torch.zeros_like(tensor, dtype=torch.float32, device="cpu") for tensor in template]
+        self._shared = buffers  # hivemind moves them to shared memory in place
         self._reference = RoundReference(template) if directed else None
         self._new_averager = functools.partial(  # a restarted averager takes over the same (shared) buffers
             GatedAverager,
@@ -161,7 +162,7 @@ class OuterAverager:
         :meth:`_tensors_free`): the caller tries again later instead of blocking its inner loop. Raises RuntimeError
         if a round is already in flight and ValueError for a proposal of another shape.
         """
-        check_round_request(self._pending is not None, self._shapes, proposal, weight)
+        check_round_request(self._pending is not None, self._shapes, proposal, weight, reference)
         now = get_dht_time()  # the window counts from the call: copying the proposal must not shift the schedule
         if not self._tensors_free():
             if not self._stuck():
@@ -290,9 +291,11 @@ class OuterAverager:
         return infos
 
     def _buffers(self) -> list[torch.Tensor]:
-        """A copy of the averaged tensors: the group's average after a round, else (mostly) what was sent."""
+        """The averaged tensors themselves (the group's average after a round, else (mostly) what was sent), not a
+        copy: nothing writes them until the next :meth:`begin_round` (RoundOutcome's contract), and a copy of the
+        payload at every round's end was a unit's peak memory."""
         with self._averager.get_tensors() as buffers:
-            return [buffer.clone() for buffer in buffers]
+            return list(buffers)
 
     def _without_group(self, pending: _PendingRound, error: str) -> RoundOutcome:
         """No usable group: with quorum 1 the round completes alone with what the buffers hold (the module
@@ -328,11 +331,15 @@ class OuterAverager:
         return self.poll()
 
     def shutdown(self) -> None:
+        """Stop the averager process and free the shared buffers (their memory: a unit's exit starts its settle
+        averager after shutting its round averagers down). The averager is of no more use after."""
         if self._pending is not None:
             _cancel(self._pending.control)
         self._pending = None
         if self._averager.is_alive():  # hivemind logs an exception for a second shutdown
             self._averager.shutdown()
+        for tensor in [*self._shared, *(self._reference.tensors if self._reference is not None else ())]:
+            tensor.set_()  # every holder of these tensor objects (hivemind's averager too) now holds no storage
 
 
 def _cancel(control: StepControl) -> None:

@@ -152,17 +152,17 @@ class GatedAverager(hivemind.DecentralizedAverager):
     async def _refuses(self, peer_id: PeerID, what: str) -> bool:
         """Whether to refuse ``peer_id``: not admitted by the gate, or placed in another group of this round's layout
         (:meth:`set_layout`); a refusal is logged once per REFUSAL_LOG_EVERY_S for each peer and kind."""
-        if self._placed_elsewhere(peer_id):
-            why = "placed in another group of this round's layout"
+        if self._placed_elsewhere(peer_id):  # an honest unit of another group: no warning
+            why, level = "placed in another group of this round's layout", logging.INFO
         elif await self.gate.admits(peer_id, self.dht):
             return False
         else:
             why = "refused after its offences" if self.gate.refused(str(peer_id)) else "not a member of the run"
+            level = logging.WARNING
         now, key = time.monotonic(), (str(peer_id), what)
         if now - self._refusals_logged.get(key, -math.inf) >= REFUSAL_LOG_EVERY_S:
             self._refusals_logged[key] = now
-            logger.log(logging.INFO if why.startswith("placed") else logging.WARNING, "refused %s from %s: %s", what,
-                       peer_id, why)  # fmt: skip
+            logger.log(level, "refused %s from %s: %s", what, peer_id, why)
         return True
 
     async def _step(self, *, step: StepControl, future_for_init: Any) -> None:

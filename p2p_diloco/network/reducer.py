@@ -48,11 +48,10 @@ class RoundReference:
         self._set = torch.zeros(1, dtype=torch.uint8).share_memory_()
 
     def hold(self, reference: Sequence[torch.Tensor] | None) -> None:
-        """Hold ``reference`` for the next round (None: that round has none). Call only with no round in flight."""
+        """Hold ``reference`` (shaped like the averaged tensors: ``check_round_request``) for the next round (None: that
+        round has none). Call only with no round in flight."""
         if reference is not None:
-            if [tuple(tensor.shape) for tensor in reference] != [tuple(tensor.shape) for tensor in self.tensors]:
-                raise ValueError("the reference does not match the averaged tensors' shapes")
-            for buffer, tensor in zip(self.tensors, reference):
+            for buffer, tensor in zip(self.tensors, reference, strict=True):
                 buffer.copy_(tensor.detach())
         self._set.fill_(reference is not None)
 

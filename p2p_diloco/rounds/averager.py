@@ -15,7 +15,8 @@ from p2p_diloco.rounds.grid import Leader
 
 @dataclass(frozen=True)
 class RoundOutcome:
-    """What one outer round produced. ``averaged`` is None when the round failed (see ``error``)."""
+    """What one outer round produced. ``averaged`` is None when the round failed (see ``error``); it may be the
+    averager's own buffers, valid until its next ``begin_round`` (a caller that keeps it longer copies it)."""
 
     averaged: list[torch.Tensor] | None
     group_size: int
@@ -94,13 +95,18 @@ class Averager(Protocol):
 
 
 def check_round_request(
-    in_flight: bool, shapes: Sequence[tuple[int, ...]], proposal: Sequence[torch.Tensor], weight: float
+    in_flight: bool,
+    shapes: Sequence[tuple[int, ...]],
+    proposal: Sequence[torch.Tensor],
+    weight: float,
+    reference: Sequence[torch.Tensor] | None = None,
 ) -> None:
-    """The preconditions of ``begin_round``: RuntimeError if a round is in flight, ValueError for a proposal of
-    other shapes or a weight that is not positive."""
+    """The preconditions of ``begin_round``: RuntimeError if a round is in flight, ValueError for a proposal (or a
+    reference) of other shapes or a weight that is not positive."""
     if in_flight:
         raise RuntimeError("an outer round is already in flight")
-    if [tuple(tensor.shape) for tensor in proposal] != list(shapes):
-        raise ValueError("proposal does not match the averaged tensors' shapes")
+    for what, tensors in (("proposal", proposal), ("the reference", reference or proposal)):
+        if [tuple(tensor.shape) for tensor in tensors] != list(shapes):
+            raise ValueError(f"{what} does not match the averaged tensors' shapes")
     if not weight > 0:
         raise ValueError(f"weight must be positive, got {weight}")

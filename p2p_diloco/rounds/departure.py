@@ -228,7 +228,7 @@ class Departure:
         if make_settle is None:
             return None
         try:
-            return make_settle([torch.zeros(self.engine.state.whole.numel)])
+            return make_settle(Settle(self.engine.state).template())
         except Exception:  # hivemind raises whatever its averager process raised while starting
             logger.exception("the settle averager did not start: leaving without settle rounds")
             return None

@@ -16,7 +16,7 @@ from typing import ClassVar
 import torch
 
 from p2p_diloco.diloco import all_finite, distance
-from p2p_diloco.fragments import Fragment, assign, copies
+from p2p_diloco.fragments import Fragment, assign, copies, views
 from p2p_diloco.rounds.averager import Averager, GroupRequest, RoundOutcome
 from p2p_diloco.rounds.results import MERGES, RoundBegin, RoundEnd, RoundId, RoundKind, RoundStatus
 from p2p_diloco.rounds.state import HeldMerge, OuterState
@@ -82,7 +82,7 @@ class FragmentRound:
         if status in MERGES:
             assert outcome.averaged is not None
             merged = rounds.merged(outcome.averaged, state.global_params, state.momentum, sent, state.plan.step.hyper)
-            step = distance(merged[0], copies(state.global_params, rounds.fragment))
+            step = distance(merged[0], views(state.global_params, rounds.fragment))
             what = f"outer round {rounds.outer_round} of fragment {number}"
             if not plausible_step(what, step, sent.step_scale):
                 status, merged = RoundStatus.REJECTED, None
@@ -91,8 +91,9 @@ class FragmentRound:
         if merged is None:
             rounds.carry(sent)
         else:
-            if hold:
-                state.held[number] = HeldMerge(*merged, sent)
+            if hold:  # kept past the averager's next round, which overwrites its buffers (RoundOutcome)
+                params, momentum = ([tensor.clone() for tensor in part] for part in merged)
+                state.held[number] = HeldMerge(params, momentum, sent)
             else:
                 state.merge(rounds.fragment, *merged, sent.local_at_send)
             rounds.outer_round = max(rounds.outer_round, outcome.max_member_round) + 1
@@ -220,12 +221,28 @@ class Mix(CorrectionRound):
 
 class Settle(CorrectionRound):
     """At exit: the whole φ (``number`` 0) averaged with the units leaving at the same time, equal weights; a late one
-    changes nothing (:meth:`late`)."""
+    changes nothing (:meth:`late`). Settle rounds run one at a time once every other round ended, so nothing moves φ
+    while one is in flight: the payload is φ's pieces themselves (views, in φ's shapes), and φ is copied only into the
+    averager's buffers (a flat copy of the whole model, and the averager process's concatenation of it, had taken the
+    memory of a unit's exit over its memory while training)."""
 
     kind = RoundKind.SETTLE
 
     def fragment(self, number: int) -> Fragment:
         return self.state.whole
+
+    def payload(self, number: int) -> Tensors:
+        return views(self.state.global_params, self.state.whole)
+
+    def template(self) -> Tensors:
+        """The shapes of a settle round's payload (on the meta device: no memory), for its averager."""
+        return [torch.empty_like(piece, device="meta") for piece in self.payload(0)]
+
+    def phi_part(self, number: int, tensors: Tensors) -> Tensors:
+        return list(tensors)
+
+    def pieces(self, number: int, phi: Tensors) -> Tensors:
+        return list(phi)
 
     def step_scale(self, number: int) -> float:
         return math.sqrt(sum(rounds.last_step_scale**2 for rounds in self.state.fragments))

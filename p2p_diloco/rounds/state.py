@@ -158,13 +158,21 @@ class OuterState:
     def merge(self, fragment: Fragment, params: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor],
               local_at_send: Sequence[torch.Tensor]) -> None:  # fmt: skip
         """φ_p, m_p ← ``params``, ``momentum`` (empty: m unchanged); θ_p ← φ_p and the steps made since the round was
-        sent (θ_p,now − ``local_at_send``) as the plan's overlap rule keeps them."""
-        old_global = copies(self.global_params, fragment) if self.plan.overlap.rule == "align" else []
+        sent (θ_p,now − ``local_at_send``) as the plan's overlap rule keeps them, piece by piece (the rule is: a round's
+        end holds no copy of the fragment's θ)."""
+        if self.plan.overlap.rule == "align":  # φ_p before the round, read by that rule alone
+            old_global = [[piece] for piece in copies(self.global_params, fragment)]
+        else:
+            old_global = [[] for _ in params]
         assign(self.global_params, fragment, params)
         if momentum:
             assign(self.momentum, fragment, momentum)
-        merged = merge_local_progress(params, self.read_local(fragment), local_at_send, self.plan.overlap, old_global)
-        self.write_local(fragment, merged)
+        self.sync.fetch(fragment.tensor_indices)
+        with torch.no_grad():
+            for param, theta, sent, old in zip(params, views(self.local, fragment), local_at_send, old_global):
+                (value,) = merge_local_progress([param], [theta], [sent], self.plan.overlap, old)
+                theta.copy_(value)
+        self.sync.store(fragment.tensor_indices)
 
     def apply_held(self, number: int) -> None:
         """Merge fragment ``number``'s held merge (:meth:`merge`), if it has one."""
@@ -174,7 +182,11 @@ class OuterState:
 
     def shift(self, fragment: Fragment, delta: Sequence[torch.Tensor]) -> None:
         """Add ``delta`` (shaped like the fragment's pieces) to φ's and θ's pieces of ``fragment``: a correction round
-        moves the unit to its group's mean without undoing what merged meanwhile."""
-        phi = [now + step for now, step in zip(copies(self.global_params, fragment), delta)]
-        assign(self.global_params, fragment, phi)
-        self.write_local(fragment, [now + step for now, step in zip(self.read_local(fragment), delta)])
+        moves the unit to its group's mean without undoing what merged meanwhile. Piece by piece, in place (a settle
+        round shifts the whole model at exit: no copy of it)."""
+        self.sync.fetch(fragment.tensor_indices)
+        with torch.no_grad():
+            for phi, theta, step in zip(views(self.global_params, fragment), views(self.local, fragment), delta):
+                phi.add_(step.to(phi))  # φ is CPU fp32: no conversion
+                theta.copy_(theta.to(device="cpu", dtype=torch.float32) + step)
+        self.sync.store(fragment.tensor_indices)

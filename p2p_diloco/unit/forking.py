@@ -13,7 +13,8 @@ the interpreter's own fork hooks (``os.register_at_fork``): just before every fo
 pages back to the system (glibc ``malloc_trim``), and right after it the child drops its view of the registered
 tensors (``madvise(MADV_DONTNEED)`` on their private pages: the child then reads zeros there, and the parent's
 memory is untouched). Tensors in shared memory are never dropped: they are what the child works on. Off glibc
-Linux both steps are skipped (the copies then stay, as before).
+Linux both steps are skipped (the copies then stay, as before). :func:`release_freed_memory` trims the heap on
+demand (after a round's merge, at exit).
 """
 
 from __future__ import annotations
@@ -36,6 +37,16 @@ MADV_DONTNEED = 4
 _sources: dict[int, TensorSource] = {}
 _lock = threading.Lock()
 _libc: ctypes.CDLL | None = None
+_libc_loaded = False
+_hooked = False  # the fork hooks are registered
+
+
+def _glibc() -> ctypes.CDLL | None:
+    """glibc, loaded once (None off glibc Linux)."""
+    global _libc, _libc_loaded
+    if not _libc_loaded:
+        _libc, _libc_loaded = _load_libc(), True
+    return _libc
 
 
 def _load_libc() -> ctypes.CDLL | None:
@@ -55,12 +66,11 @@ def dropped_in_forked_children(source: TensorSource) -> Iterator[None]:
     """While inside, every process forked from this one drops its copy of the CPU tensors ``source()`` yields (None
     entries are skipped); ``source`` is called in the child right after the fork, so it yields what exists then.
     The child must never read those tensors."""
-    global _libc
+    global _hooked
     with _lock:
-        if _libc is None:
-            _libc = _load_libc()
-            if _libc is not None:
-                os.register_at_fork(before=_trim_heap, after_in_child=_drop_sources)
+        if not _hooked and _glibc() is not None:
+            os.register_at_fork(before=_trim_heap, after_in_child=_drop_sources)
+            _hooked = True
         key = id(source)
         _sources[key] = source
     try:
@@ -73,6 +83,16 @@ def dropped_in_forked_children(source: TensorSource) -> Iterator[None]:
 def _trim_heap() -> None:
     if _libc is not None and _sources:
         _libc.malloc_trim(0)
+
+
+def release_freed_memory() -> None:
+    """Hand the pages glibc keeps of freed heap memory back to the system (``malloc_trim``; nothing off glibc). A
+    round's momentary copies of the model are freed to the heap, where glibc keeps the pages of blocks below its mmap
+    threshold (a model's per-parameter tensors): without this a unit's memory crept up by about a copy of the model
+    over its first rounds."""
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
 
 
 def _drop_sources() -> None:

@@ -185,13 +185,18 @@ class InnerTrainer:
 
     @contextlib.contextmanager
     def parameters_swapped(self, replacement: Sequence[torch.Tensor]) -> Iterator[None]:
-        """Temporarily load ``replacement`` (e.g. the global parameters) into the model; restores θ after."""
-        saved = [param.detach().clone() for param in self.params]
-        self.load_parameters(replacement)
+        """Temporarily make ``replacement`` (e.g. the global parameters) the model's parameters; θ is back after. For
+        reading only (evals, exports): a replacement of its parameter's dtype and device is not copied but used as it
+        is, so a write to the parameters meanwhile would write it (a copy of the model less at every eval and
+        export); others are converted. Raises ValueError when the counts differ."""
+        saved = [param.data for param in self.params]
+        for param, value in zip(self.params, replacement, strict=True):
+            param.data = value.detach().to(device=param.device, dtype=param.dtype).view_as(param)
         try:
             yield
         finally:
-            self.load_parameters(saved)
+            for param, data in zip(self.params, saved, strict=True):
+                param.data = data
 
     def load_parameters(self, values: Sequence[torch.Tensor]) -> None:
         copy_into(self.params, values)
@@ -233,3 +238,9 @@ def copy_into(targets: Sequence[torch.Tensor], values: Sequence[torch.Tensor]) -
 def host_copies(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """CPU fp32 copies of ``tensors``."""
     return [tensor.detach().to(device="cpu", dtype=torch.float32, copy=True) for tensor in tensors]
+
+
+def on_host(tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """``tensors`` as CPU fp32 tensors to be read at once (e.g. written to a file): those that are already CPU fp32
+    themselves (detached, not copied), the others converted."""
+    return [tensor.detach().to(device="cpu", dtype=torch.float32) for tensor in tensors]

@@ -46,9 +46,9 @@ from p2p_diloco.rounds.results import RoundBegin, RoundEnd, RoundKind, RoundStat
 from p2p_diloco.unit import events
 from p2p_diloco.unit.data import DataPosition, TextData, TrainingStream
 from p2p_diloco.unit.evaluation import Evaluator
-from p2p_diloco.unit.forking import optimizer_tensors
+from p2p_diloco.unit.forking import optimizer_tensors, release_freed_memory
 from p2p_diloco.unit.goodput import LEDGER_FILE, GoodputLedger
-from p2p_diloco.unit.inner import EvalBatch, InnerTrainer, StepStats, copy_into, host_copies
+from p2p_diloco.unit.inner import EvalBatch, InnerTrainer, StepStats, copy_into, on_host
 from p2p_diloco.unit.joining import (
     StatesRefused,
     data_position,
@@ -146,6 +146,7 @@ class LearningUnit:
         self.last_group_size = 0
         self._advanced = False  # the unit's round advanced since its last periodic I/O (ended)
         self._leaving = False  # in the exit protocol: no periodic I/O (the final eval, checkpoint and export follow)
+        self._checkpointed = False  # this process wrote the unit's checkpoint
         self.checkpoint_path = Path(config.run.work_dir) / "checkpoint.pt"
         self.ledger_path = Path(config.run.work_dir) / LEDGER_FILE
         self.ledger = GoodputLedger.load_or_create(self.ledger_path)
@@ -367,6 +368,7 @@ class LearningUnit:
         self._report(end, wire=merged and end.advanced)
         if merged or end.kind is RoundKind.MIX or end.status is RoundStatus.MERGED:  # a mix applies a held merge
             self._write_probe()
+        release_freed_memory()  # the round's momentary copies of the model (its merge's, its average's)
         if self._advanced and end.fragment not in self.state.held and not self._leaving:
             self._advanced = False
             self.ledger.save(self.ledger_path)
@@ -391,8 +393,8 @@ class LearningUnit:
         run, outer_round = self.config.run, self.outer_round
         if outer_round % run.eval_every_rounds == 0:
             self._evaluate("outer_round")
-        if outer_round % run.checkpoint_every_rounds == 0:
-            self.save()
+        if outer_round % run.checkpoint_every_rounds == 0 or not self._checkpointed:
+            self.save()  # the first time the round advances too: a kill after it loses at most one round's work
         export_every, save_dir = run.export_every_rounds, run.save_dir
         if export_every is not None and save_dir is not None and outer_round % export_every == 0:
             self._export(Path(save_dir))
@@ -454,12 +456,13 @@ class LearningUnit:
         position = self._stream.position if self._stream is not None else self.data_position
         data = None if self.data is None else {"shard_seed": self.data.shard_seed, **position.as_dict()}
         save_checkpoint(self.checkpoint_path, {
-            "model_fingerprint": self.loaded.fingerprint, "local_params": host_copies(self.theta),
+            "model_fingerprint": self.loaded.fingerprint, "local_params": on_host(self.theta),
             "global_params": self.state.global_params, "momentum": self.state.momentum,
             "inner": self.ranks.inner_state(self.trainer), "outer_round": self.outer_round,
             "fragment_rounds": self.state.fragment_rounds(), "inner_step": self.inner_step, "tokens": self.tokens,
             "data": data,
         })  # fmt: skip
+        self._checkpointed = True
 
     def finish(self) -> None:
         """Leave cleanly: the exit protocol (rounds/departure.py: final rounds, settle rounds, the census), then the
@@ -470,6 +473,7 @@ class LearningUnit:
                   refuses=network.settle_refuses).leave(self.throughput.step_time_s)  # fmt: skip
         self._evaluate("final")
         self.save()
+        release_freed_memory()  # before the export's own copies
         self.ranks.stop()
         if self.config.run.save_dir is not None:
             self._export(Path(self.config.run.save_dir))
