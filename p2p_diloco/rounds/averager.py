@@ -105,8 +105,8 @@ def check_round_request(
     reference) of other shapes or a weight that is not positive."""
     if in_flight:
         raise RuntimeError("an outer round is already in flight")
-    for what, tensors in (("proposal", proposal), ("the reference", reference or proposal)):
-        if [tuple(tensor.shape) for tensor in tensors] != list(shapes):
+    for what, tensors in (("proposal", proposal), ("the reference", reference)):
+        if tensors is not None and [tuple(tensor.shape) for tensor in tensors] != list(shapes):
             raise ValueError(f"{what} does not match the averaged tensors' shapes")
     if not weight > 0:
         raise ValueError(f"weight must be positive, got {weight}")

@@ -5,6 +5,7 @@ I/O."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -150,9 +151,12 @@ class OuterState:
         self.sync.fetch(fragment.tensor_indices)
         return copies(self.local, fragment)
 
-    def write_local(self, fragment: Fragment, values: Sequence[torch.Tensor]) -> None:
-        """``values`` into θ's pieces of ``fragment``, stored after."""
-        assign(self.local, fragment, values)
+    @contextlib.contextmanager
+    def local_pieces(self, fragment: Fragment) -> Iterator[Tensors]:
+        """θ's pieces of ``fragment`` to change in place (views, gradients off), fetched first and stored after."""
+        self.sync.fetch(fragment.tensor_indices)
+        with torch.no_grad():
+            yield views(self.local, fragment)
         self.sync.store(fragment.tensor_indices)
 
     def merge(self, fragment: Fragment, params: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor],
@@ -167,12 +171,10 @@ class OuterState:
         assign(self.global_params, fragment, params)
         if momentum:
             assign(self.momentum, fragment, momentum)
-        self.sync.fetch(fragment.tensor_indices)
-        with torch.no_grad():
-            for param, theta, sent, old in zip(params, views(self.local, fragment), local_at_send, old_global):
+        with self.local_pieces(fragment) as thetas:
+            for param, theta, sent, old in zip(params, thetas, local_at_send, old_global):
                 (value,) = merge_local_progress([param], [theta], [sent], self.plan.overlap, old)
                 theta.copy_(value)
-        self.sync.store(fragment.tensor_indices)
 
     def apply_held(self, number: int) -> None:
         """Merge fragment ``number``'s held merge (:meth:`merge`), if it has one."""
@@ -184,9 +186,7 @@ class OuterState:
         """Add ``delta`` (shaped like the fragment's pieces) to φ's and θ's pieces of ``fragment``: a correction round
         moves the unit to its group's mean without undoing what merged meanwhile. Piece by piece, in place (a settle
         round shifts the whole model at exit: no copy of it)."""
-        self.sync.fetch(fragment.tensor_indices)
-        with torch.no_grad():
-            for phi, theta, step in zip(views(self.global_params, fragment), views(self.local, fragment), delta):
+        with self.local_pieces(fragment) as thetas:
+            for phi, theta, step in zip(views(self.global_params, fragment), thetas, delta):
                 phi.add_(step.to(phi))  # φ is CPU fp32: no conversion
                 theta.copy_(theta.to(device="cpu", dtype=torch.float32) + step)
-        self.sync.store(fragment.tensor_indices)
